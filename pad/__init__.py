@@ -1,0 +1,8 @@
+"""pad: Pivot-Aware Speculative Decoding for HuggingFace causal LMs."""
+__version__ = "0.1.0"
+
+from .classifier import PivotClassifier
+from .generate import POLICIES, GenerationResult, generate
+from .stats import GenerationStats
+
+__all__ = ["POLICIES", "GenerationResult", "GenerationStats", "PivotClassifier", "generate", "__version__"]

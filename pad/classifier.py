@@ -1,0 +1,170 @@
+"""The pivot classifier: a tiny MLP over what the target's verification pass already computed."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pad_kernels import FEATURE_NAMES, FoldedClassifier
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT = "pad-pivot-classifier"
+FORMAT_VERSION = 1
+
+
+class PivotClassifier(nn.Module):
+    """Scores how likely a draft token is a pivot (taking it makes the final answer worse).
+
+    Inputs per draft token: the target hidden state ``h`` [H] at decoder layer ``layer`` (Python
+    indexing over the decoder blocks: -8 is the eighth block from the top; the block's output is used)
+    and the features ``f`` [F] = (``p_target(token)``, entropy of ``p_target``). Both are first
+    standardized with the buffers ``input_mean`` / ``input_scale`` [H + F] (set by training).
+    Architecture: ``h -> Linear(H, 64)``, ``f -> Linear(F, 16)``, concat -> ``Linear(80, 128) -> ReLU ->
+    Linear(128, 2)``; logit 1 is the pivot class, so ``pivot_prob = softmax(logits)[1]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        layer: int = -8,
+        feature_names=FEATURE_NAMES,
+        hidden_dim: int = 64,
+        feature_dim: int = 16,
+        mlp_dim: int = 128,
+        target_model: str | None = None,
+        draft_model: str | None = None,
+    ):
+        super().__init__()
+        if tuple(feature_names) != FEATURE_NAMES:
+            raise ValueError(f"feature_names must be {FEATURE_NAMES} (what the verification op computes), got {feature_names}")
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+        self.hidden_size = int(hidden_size)
+        self.layer = int(layer)
+        self.feature_names = tuple(feature_names)
+        self.target_model = target_model
+        self.draft_model = draft_model
+        num_features = len(self.feature_names)
+        self.hidden_proj = nn.Linear(hidden_size, hidden_dim)
+        self.feature_proj = nn.Linear(num_features, feature_dim)
+        self.mlp = nn.Sequential(nn.Linear(hidden_dim + feature_dim, mlp_dim), nn.ReLU(), nn.Linear(mlp_dim, 2))
+        self.register_buffer("input_mean", torch.zeros(hidden_size + num_features))
+        self.register_buffer("input_scale", torch.ones(hidden_size + num_features))
+
+    @property
+    def config(self) -> dict:
+        from pad import __version__
+
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "hidden_size": self.hidden_size,
+            "layer": self.layer,
+            "feature_names": list(self.feature_names),
+            "hidden_dim": self.hidden_proj.out_features,
+            "feature_dim": self.feature_proj.out_features,
+            "mlp_dim": self.mlp[0].out_features,
+            "target_model": self.target_model,
+            "draft_model": self.draft_model,
+            "pad_version": __version__,
+        }
+
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], features [..., F] -> logits [..., 2] (index 1: pivot)."""
+        x = (torch.cat([hidden, features], -1).to(self.input_mean.dtype) - self.input_mean) / self.input_scale
+        h, f = x.split([self.hidden_size, len(self.feature_names)], -1)
+        return self.mlp(torch.cat([self.hidden_proj(h), self.feature_proj(f)], -1))
+
+    def pivot_prob(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], features [..., F] -> probability of the pivot class [...]."""
+        return torch.softmax(self(hidden, features), -1)[..., 1]
+
+    @torch.no_grad()
+    def fold(self) -> FoldedClassifier:
+        """Fold standardization and the three linear maps before the ReLU into one ``Linear(H + F, D)``.
+
+        The two output logits fold into one score ``logit_pivot - logit_other``, so ``sigmoid(score)``
+        equals ``softmax(logits)[1]``. Computed in fp64, returned as fp32 on the module's device.
+        """
+        first, out = self.mlp[0], self.mlp[2]
+        wm = first.weight.double()  # [D, 64 + 16]
+        wm_h, wm_f = wm[:, : self.hidden_proj.out_features], wm[:, self.hidden_proj.out_features :]
+        w = torch.cat([wm_h @ self.hidden_proj.weight.double(), wm_f @ self.feature_proj.weight.double()], 1)
+        b = wm_h @ self.hidden_proj.bias.double() + wm_f @ self.feature_proj.bias.double() + first.bias.double()
+        # Standardization: W ((x - mean) / scale) = (W / scale) x - (W / scale) mean.
+        w = w / self.input_scale.double()
+        b = b - w @ self.input_mean.double()
+        w2 = out.weight[1].double() - out.weight[0].double()
+        b2 = out.bias[1].double() - out.bias[0].double()
+        return FoldedClassifier(*(t.float() for t in (w.t().contiguous(), b, w2, b2)))
+
+    def check_target(self, model) -> None:
+        """Raise ValueError if this classifier cannot read ``model``'s hidden states."""
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if cfg.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"classifier expects target hidden size {self.hidden_size}, but the target has {cfg.hidden_size}"
+                f" (trained for target {self.target_model!r})"
+            )
+        n = cfg.num_hidden_layers
+        if not -n <= self.layer < n:
+            raise ValueError(f"classifier reads decoder layer {self.layer}, but the target has {n} layers")
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if missing)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> "PivotClassifier":
+        """Load a classifier saved by ``save``; raises a clear error for a missing or corrupted folder."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{directory} is not a pad classifier folder: {name} is missing")
+        try:
+            config = json.loads((directory / CONFIG_NAME).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"corrupted classifier config {directory / CONFIG_NAME}: {e}") from None
+        if not isinstance(config, dict) or config.get("format") != FORMAT:
+            raise ValueError(f"{directory / CONFIG_NAME} is not a pad classifier config (format {FORMAT!r})")
+        if config.get("version") != FORMAT_VERSION:
+            raise ValueError(f"classifier format version {config.get('version')} is not supported (expected {FORMAT_VERSION})")
+        try:
+            model = cls(
+                config["hidden_size"],
+                layer=config["layer"],
+                feature_names=config["feature_names"],
+                hidden_dim=config["hidden_dim"],
+                feature_dim=config["feature_dim"],
+                mlp_dim=config["mlp_dim"],
+                target_model=config.get("target_model"),
+                draft_model=config.get("draft_model"),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"corrupted classifier config {directory / CONFIG_NAME}: missing or bad field {e}") from None
+        try:
+            state = load_file(str(directory / WEIGHTS_NAME), device=str(map_location))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"corrupted classifier weights {directory / WEIGHTS_NAME}: {e}") from None
+        expected = model.state_dict()
+        if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+            raise ValueError(f"classifier weights {directory / WEIGHTS_NAME} do not match its config")
+        if not all(torch.isfinite(t).all() for t in state.values()):
+            raise ValueError(f"classifier weights {directory / WEIGHTS_NAME} hold non-finite values")
+        model.load_state_dict(state)
+        return model.to(map_location).eval()

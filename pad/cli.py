@@ -1,0 +1,99 @@
+"""Command line: ``pad generate --target DIR --draft DIR [--classifier DIR] --prompt TEXT``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .generate import POLICIES
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def load_model(path: str, dtype: str):
+    """A local HuggingFace causal-LM folder -> (model in eval mode, tokenizer); never reaches a hub."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True)
+    except OSError as e:
+        raise SystemExit(f"pad: cannot load a model from {path!r}: {e}") from None
+    return model.eval(), tokenizer
+
+
+def _generate(args) -> int:
+    import torch
+
+    from . import generate
+    from .hf import check_tokenizers, shared_vocab_size
+
+    target, tokenizer = load_model(args.target, args.dtype)
+    draft = None
+    if args.policy != "target":
+        if args.draft is None:
+            raise SystemExit(f"pad: policy {args.policy or 'exact'!r} needs --draft")
+        draft, draft_tokenizer = load_model(args.draft, args.dtype)
+        check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    text = args.prompt
+    if args.chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def stream(tokens, stats):
+        print(tokenizer.decode(tokens), end="", flush=True)
+
+    result = generate(
+        target, draft, input_ids, policy=args.policy, classifier=args.classifier,
+        num_draft_tokens=args.num_draft_tokens, sigma=args.sigma, floor=args.floor,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        callback=stream if args.stream else None,
+    )
+    new = result.sequences[0, input_ids.shape[1]:]
+    if not args.stream:
+        print(tokenizer.decode(new, skip_special_tokens=True))
+    print()
+    print(json.dumps(result.stats.to_dict(), indent=2) if args.json else result.stats.summary())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
+    g.add_argument("--target", required=True, help="local HuggingFace model folder of the target")
+    g.add_argument("--draft", help="local HuggingFace model folder of the draft (same tokenizer)")
+    g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--policy", choices=POLICIES, help="default: pivot with a classifier, else exact")
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=8)
+    g.add_argument("--sigma", type=float, default=0.5)
+    g.add_argument("--floor", type=float, default=1e-4)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="bf16 is the fast choice on CPUs with AVX-512")
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--stream", action="store_true", help="print tokens as blocks are committed")
+    g.add_argument("--json", action="store_true", help="print the stats as JSON")
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        print(f"pad: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""What the decode loop needs from a HuggingFace causal LM, through its public API and hooks only."""
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+
+# Vocabularies padded to different sizes (Qwen checkpoints: 151936 vs 152064) align on the shared range;
+# sizes further apart than padding explains (256 ids or 1%) mean the models do not share a tokenizer.
+MAX_VOCAB_PADDING = (256, 0.01)
+_NEGATIVE_CROP = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def vocab_size(model) -> int:
+    """Rows of the output embedding, i.e. the logits' last dim."""
+    out = model.get_output_embeddings()
+    return out.weight.shape[0] if out is not None else text_config(model).vocab_size
+
+
+def model_name(model) -> str | None:
+    return getattr(model.config, "_name_or_path", None) or None
+
+
+def eos_ids(model, eos_token_id) -> set[int]:
+    """The stop tokens: ``eos_token_id`` (int or list) if given, else the model's generation config."""
+    if eos_token_id is None:
+        gen = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gen, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(text_config(model), "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def shared_vocab_size(target, draft) -> int:
+    """Size of the token range both models score; raises if their vocabularies cannot be aligned.
+
+    Without tokenizers this compares sizes and special tokens; ``check_tokenizers`` compares the tokens.
+    """
+    vt, vd = vocab_size(target), vocab_size(draft)
+    shared = min(vt, vd)
+    if max(vt, vd) - shared > max(MAX_VOCAB_PADDING[0], MAX_VOCAB_PADDING[1] * shared):
+        raise ValueError(
+            f"draft and target vocabularies cannot be aligned: {vd} vs {vt} tokens; "
+            "speculative decoding needs two models that share a tokenizer"
+        )
+    for attr in ("eos_token_id", "bos_token_id"):
+        a, b = getattr(text_config(target), attr, None), getattr(text_config(draft), attr, None)
+        if a is not None and b is not None and a != b:
+            raise ValueError(
+                f"draft and target vocabularies cannot be aligned: {attr} is {b} in the draft and {a} in the target"
+            )
+    return shared
+
+
+def check_tokenizers(target_tokenizer, draft_tokenizer, size: int) -> None:
+    """Raise ValueError unless both tokenizers map every id below ``size`` that they know to the same token."""
+    vt, vd = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    inv_t = {i: tok for tok, i in vt.items() if i < size}
+    inv_d = {i: tok for tok, i in vd.items() if i < size}
+    diff = [i for i in inv_t.keys() & inv_d.keys() if inv_t[i] != inv_d[i]]
+    missing = inv_t.keys() ^ inv_d.keys()
+    if diff or missing:
+        example = (diff or sorted(missing))[0]
+        raise ValueError(
+            f"draft and target tokenizers differ on {len(diff)} ids and {len(missing)} ids only one knows "
+            f"(for example id {example}: {inv_t.get(example)!r} vs {inv_d.get(example)!r}); they cannot be aligned"
+        )
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The model's list of decoder blocks (the ModuleList with one entry per hidden layer)."""
+    n = text_config(model).num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+class LayerCapture:
+    """Forward hook that keeps the last ``keep`` positions of one decoder block's output.
+
+    Only the latest forward's tail is kept, never every layer or the whole sequence.
+    """
+
+    def __init__(self, model, layer: int):
+        self.keep = 1
+        self.value: torch.Tensor | None = None  # [B, keep, H]
+        self._handle = decoder_layers(model)[layer].register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        self.value = hidden[:, -self.keep :]
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop cached positions beyond ``length`` (a DynamicCache's ``crop`` changed meaning in transformers 5)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra if _NEGATIVE_CROP else length)

@@ -1,0 +1,133 @@
+"""``verify_block``: the fused verification op, its argument checks and backend dispatch.
+
+One call per verification block computes, for B rows of K draft tokens over a vocabulary of V:
+per position the entropy, ``p_target(d_i)``, the argmax, the pivot probability and the accept mask; per
+row the number accepted and the next token. See ``verify_block_ref`` for the exact rule (the spec).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult
+from .verify_block_ref import verify_block_ref
+
+BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
+
+# name -> implementation with verify_block_ref's signature; fused backends register here when available.
+_IMPLS = {"torch": verify_block_ref}
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on ``device``, fastest first."""
+    device = torch.device(device)
+    order = {"cuda": ["cuda", "triton", "torch"], "cpu": ["cpu", "torch"]}.get(device.type, ["torch"])
+    return [name for name in order if name in _IMPLS]
+
+
+def resolve_backend(backend: str | None, device: torch.device | str) -> str:
+    """The backend to use: ``backend``, else ``$PAD_BACKEND``, else the fastest available (``auto``).
+
+    A backend asked for by name that cannot run here raises; ``auto`` falls back quietly.
+    """
+    name = backend if backend is not None else os.environ.get("PAD_BACKEND", "auto")
+    name = name.strip().lower()
+    if name == "auto":
+        return available_backends(device)[0]
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown verification backend {name!r}; choose auto or one of {', '.join(BACKEND_NAMES)}")
+    if name not in available_backends(device):
+        raise RuntimeError(
+            f"verification backend {name!r} is not available for {torch.device(device).type} tensors "
+            f"(available: {', '.join(available_backends(device))})"
+        )
+    return name
+
+
+def _check_unit(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
+                  draft_probs, uniforms, exponentials) -> None:
+    if target_logits.dim() != 3 or target_logits.shape[1] < 1:
+        raise ValueError(f"target_logits must be [B, K+1, V], got shape {tuple(target_logits.shape)}")
+    if target_logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"target_logits must be fp32, bf16 or fp16, got {target_logits.dtype}")
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    device = target_logits.device
+    if draft_tokens.shape != (B, K) or draft_tokens.dtype != torch.int64:
+        raise ValueError(
+            f"draft_tokens must be int64 [B, K] = [{B}, {K}], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}"
+        )
+    _check_unit("sigma", sigma)
+    _check_unit("floor", floor)
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    tensors = {"draft_tokens": draft_tokens}
+    if classifier is not None:
+        if not isinstance(classifier, FoldedClassifier):
+            raise TypeError("classifier must be a pad_kernels.FoldedClassifier (see PivotClassifier.fold())")
+        if hidden is None:
+            raise ValueError("a classifier needs the target hidden states: pass hidden [B, K+1, H]")
+        H = classifier.hidden_size
+        if hidden.shape != (B, K1, H):
+            raise ValueError(f"hidden must be [B, K+1, H] = [{B}, {K1}, {H}], got {tuple(hidden.shape)}")
+        w1, b1, w2, b2 = classifier
+        D = w1.shape[1]
+        if w1.shape != (H + len(FEATURE_NAMES), D) or b1.shape != (D,) or w2.shape != (D,) or b2.shape != ():
+            raise ValueError("classifier weights must be w1 [H+F, D], b1 [D], w2 [D], b2 []")
+        tensors.update(hidden=hidden, w1=w1, b1=b1, w2=w2, b2=b2)
+    if temperature > 0:
+        if draft_probs is None or uniforms is None or exponentials is None:
+            raise ValueError("temperature > 0 needs draft_probs [B, K, V], uniforms [B, K] and exponentials [B, V]")
+        for name, t, shape in (("draft_probs", draft_probs, (B, K, V)), ("uniforms", uniforms, (B, K)),
+                               ("exponentials", exponentials, (B, V))):
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise ValueError(f"{name} must be a float tensor of shape {list(shape)}, got {tuple(t.shape)}")
+            tensors[name] = t
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but target_logits is on {device}")
+    if device.type == "cpu" and K > 0 and (draft_tokens.min() < 0 or draft_tokens.max() >= V):
+        raise ValueError(f"draft_tokens must lie in [0, {V})")
+
+
+def verify_block(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16: row i scores the token after position i
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    hidden: torch.Tensor | None = None,  # [B, K+1, H] target hidden states at the classifier's layer
+    classifier: FoldedClassifier | None = None,
+    *,
+    sigma: float = 0.0,
+    floor: float = 0.0,
+    temperature: float = 0.0,
+    draft_probs: torch.Tensor | None = None,  # [B, K, V] draft distributions, needed when temperature > 0
+    uniforms: torch.Tensor | None = None,  # [B, K] U(0,1) draws for the acceptance test
+    exponentials: torch.Tensor | None = None,  # [B, V] Exp(1) draws for the correction/bonus token
+    backend: str | None = None,
+) -> VerifyResult:
+    """Verify one block of draft tokens against the target's logits.
+
+    With ``temperature > 0`` the random draws are inputs so every backend picks the same tokens; any of
+    ``uniforms`` / ``exponentials`` left as None is drawn here from torch's global generator.
+    ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``K = 0`` is allowed: it only
+    picks the next token (autoregressive decoding).
+    """
+    if temperature > 0:
+        B, K1, V = target_logits.shape
+        if uniforms is None:
+            uniforms = torch.rand(B, K1 - 1, device=target_logits.device)
+        if exponentials is None:
+            exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
+    _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
+                  draft_probs, uniforms, exponentials)
+    impl = _IMPLS[resolve_backend(backend, target_logits.device)]
+    return impl(
+        target_logits, draft_tokens, hidden, classifier, sigma=float(sigma), floor=float(floor),
+        temperature=float(temperature), draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
+    )

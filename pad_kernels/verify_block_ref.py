@@ -1,0 +1,110 @@
+"""Pure-PyTorch reference of the fused verification op: the specification every backend must match.
+
+Glossary: a *verification block* is the K+1 target positions scored in one forward over
+``[last, d_1..d_K]``; row i of ``target_logits`` scores the token after position i, so row i judges draft
+token ``d_{i+1}`` and row K gives the *bonus token*. A draft token is *accepted* by the exact rule
+(greedy: ``d == argmax p``; sampling: ``u * q(d) <= p(d)``) or *pivot-accepted* when the classifier says
+it is not a pivot (``sigma > 0``, ``pivot_prob <= sigma`` and ``p(d) >= floor``). At the first rejection the
+*correction token* is emitted (greedy: ``argmax p``; sampling: a draw from ``normalize(max(0, p - q))``).
+Random draws are inputs: ``uniforms`` for the acceptance test and one exponential per vocabulary entry for
+the single categorical draw of a row (an exponential race: ``argmax_v r_v / e_v`` is a sample of ``r``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .types import FoldedClassifier, VerifyResult
+
+# An exponential draw of exactly 0 would turn 0/0 into NaN in the race; clamp it to a tiny positive value.
+MIN_EXPONENTIAL = 1e-30
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalized correction distribution ``max(0, p - q)``; falls back to ``p`` where it is all zero.
+
+    p, q: [B, V] fp32. Returns [B, V].
+    """
+    r = (p - q).clamp_min(0.0)
+    return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Natural-log entropy of softmax(logits) over the last dim; ``-inf`` logits count as zero mass.
+
+    NaN or +inf logits give NaN, a row of only ``-inf`` gives ``-inf``: callers treat non-finite as an error.
+    """
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    probs = torch.exp(logits - lse)
+    plogit = torch.where(logits == float("-inf"), 0.0, probs * logits)
+    return lse.squeeze(-1) - plogit.sum(-1)
+
+
+def pivot_prob_ref(hidden: torch.Tensor, features: torch.Tensor, classifier: FoldedClassifier) -> torch.Tensor:
+    """Folded classifier: hidden [..., H], features [..., F] -> pivot probability [...] (fp32)."""
+    x = torch.cat([hidden.float(), features.float()], -1)
+    h = torch.relu(x @ classifier.w1 + classifier.b1)
+    return torch.sigmoid(h @ classifier.w2 + classifier.b2)
+
+
+def verify_block_ref(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    hidden: torch.Tensor | None = None,  # [B, K+1, H]
+    classifier: FoldedClassifier | None = None,
+    *,
+    sigma: float = 0.0,
+    floor: float = 0.0,
+    temperature: float = 0.0,
+    draft_probs: torch.Tensor | None = None,  # [B, K, V], needed when temperature > 0
+    uniforms: torch.Tensor | None = None,  # [B, K] U(0,1), needed when temperature > 0
+    exponentials: torch.Tensor | None = None,  # [B, V] Exp(1), needed when temperature > 0
+) -> VerifyResult:
+    """Reference verification of one block; arguments are already validated by ``verify_block``."""
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    logits = target_logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    entropy = entropy_from_logits(logits)  # [B, K+1]
+    probs = torch.softmax(logits, -1)  # [B, K+1, V]
+    argmax = logits.argmax(-1)  # [B, K+1]; torch returns the first maximal index
+    token_prob = probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+
+    if temperature > 0:
+        draft_token_prob = draft_probs.float().gather(-1, draft_tokens[..., None]).squeeze(-1)
+        exact_ok = uniforms.float() * draft_token_prob <= token_prob  # u <= min(1, p/q) without a division
+    else:
+        exact_ok = draft_tokens == argmax[:, :K]
+
+    if classifier is not None:
+        features = torch.stack([token_prob, entropy[:, :K]], -1)  # [B, K, F]
+        pivot_prob = pivot_prob_ref(hidden[:, :K], features, classifier)
+        override = (pivot_prob <= sigma) & (token_prob >= floor) & (sigma > 0)
+    else:
+        pivot_prob = torch.ones_like(token_prob)
+        override = torch.zeros_like(exact_ok)
+
+    accepted = torch.cumprod((exact_ok | override).to(torch.int64), -1).bool()  # [B, K]
+    num_accepted = accepted.sum(-1)  # [B]
+    pivot_accepted = accepted & ~exact_ok
+
+    if temperature > 0:
+        rows = torch.arange(B, device=logits.device)
+        p_next = probs[rows, num_accepted]  # [B, V]
+        # Past the last draft position q is zero, so the residual is p itself: the bonus token.
+        q_all = torch.cat([draft_probs.float(), draft_probs.new_zeros(B, 1, V).float()], 1)
+        r = residual_probs(p_next, q_all[rows, num_accepted])
+        next_token = (r / exponentials.float().clamp_min(MIN_EXPONENTIAL)).argmax(-1)
+    else:
+        next_token = argmax.gather(1, num_accepted[:, None]).squeeze(1)
+
+    return VerifyResult(
+        entropy=entropy,
+        token_prob=token_prob,
+        argmax=argmax,
+        pivot_prob=pivot_prob,
+        accepted=accepted,
+        pivot_accepted=pivot_accepted,
+        num_accepted=num_accepted,
+        next_token=next_token,
+    )

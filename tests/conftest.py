@@ -1,0 +1,4 @@
+import os
+
+# The Triton interpreter must be chosen before any kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
