@@ -1,7 +1,7 @@
 """Fused verification op for speculative decoding: one call per block (see ``verify_block``)."""
 from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult
-from .verify_block import BACKEND_NAMES, available_backends, resolve_backend, verify_block
-from .verify_block_ref import verify_block_ref
+from .verify import BACKEND_NAMES, available_backends, resolve_backend, verify_block
+from .verify_ref import verify_block_ref
 
 __all__ = [
     "BACKEND_NAMES",

@@ -12,7 +12,7 @@ import os
 import torch
 
 from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult
-from .verify_block_ref import verify_block_ref
+from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
 

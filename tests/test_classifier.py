@@ -1,0 +1,84 @@
+"""PivotClassifier: the folded form scores like the module; save/load round-trips; bad files fail clearly."""
+import copy
+import json
+
+import pytest
+import torch
+
+import pad
+from pad_kernels import verify_block
+from pad_kernels.verify_ref import pivot_prob_ref
+
+
+def _trained_looking(H, seed):
+    """A classifier with non-trivial weights (init plus noise of the init's own scale) and standardization."""
+    torch.manual_seed(seed)
+    clf = pad.PivotClassifier(H, layer=-3, target_model="t", draft_model="d")
+    with torch.no_grad():
+        for p in clf.parameters():
+            p.add_(torch.randn_like(p) * p.std())
+        clf.input_mean.normal_()
+        clf.input_scale.uniform_(0.5, 2.0)
+    return clf.eval()
+
+
+@pytest.mark.parametrize("H", [8, 64, 896])
+def test_fold_matches_module(H):
+    clf = _trained_looking(H, H)
+    g = torch.Generator().manual_seed(H)
+    hidden = torch.randn(257, H, generator=g) * 3
+    features = torch.stack([torch.rand(257, generator=g), torch.rand(257, generator=g) * 10], -1)
+    expected = copy.deepcopy(clf).double().pivot_prob(hidden.double(), features.double()).float()
+    folded = clf.fold()
+    assert folded.w1.shape == (H + 2, 128) and folded.w1.dtype == torch.float32
+    torch.testing.assert_close(pivot_prob_ref(hidden, features, folded), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(clf.pivot_prob(hidden, features), expected, atol=1e-5, rtol=0)
+
+
+def test_verify_block_uses_the_folded_classifier():
+    """pivot_prob from the op equals the module applied to hidden states and the op's own features."""
+    H, K, V = 16, 5, 40
+    clf = _trained_looking(H, 0)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, K + 1, V, generator=g)
+    hidden = torch.randn(2, K + 1, H, generator=g)
+    res = verify_block(logits, torch.randint(0, V, (2, K), generator=g), hidden, clf.fold(), sigma=0.5)
+    features = torch.stack([res.token_prob, res.entropy[:, :K]], -1)
+    torch.testing.assert_close(res.pivot_prob, clf.pivot_prob(hidden[:, :K], features), atol=1e-5, rtol=0)
+
+
+def test_save_load_round_trip(tmp_path):
+    clf = _trained_looking(32, 3)
+    clf.save(tmp_path / "clf")
+    loaded = pad.PivotClassifier.load(tmp_path / "clf")
+    assert loaded.config == clf.config
+    for (name, a), (_, b) in zip(clf.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    config = json.loads((tmp_path / "clf" / "config.json").read_text())
+    assert config["layer"] == -3 and config["hidden_size"] == 32 and config["target_model"] == "t"
+    assert config["feature_names"] == ["token_prob", "entropy"] and config["version"] == 1
+
+
+def test_missing_and_corrupted_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        pad.PivotClassifier.load(tmp_path)
+    d = _trained_looking(8, 0).save(tmp_path / "clf")
+    weights = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(ValueError, match="corrupted classifier weights"):
+        pad.PivotClassifier.load(d)
+    (d / "model.safetensors").write_bytes(weights)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupted classifier config"):
+        pad.PivotClassifier.load(d)
+    (d / "config.json").write_text(json.dumps({"format": "pad-pivot-classifier", "version": 1}))
+    with pytest.raises(ValueError, match="missing or bad field"):
+        pad.PivotClassifier.load(d)
+    other = _trained_looking(16, 0).save(tmp_path / "other")
+    (d / "config.json").write_text((other / "config.json").read_text())  # config for H=16, weights for H=8
+    with pytest.raises(ValueError, match="do not match its config"):
+        pad.PivotClassifier.load(d)
+    (tmp_path / "missing_weights").mkdir()
+    (tmp_path / "missing_weights" / "config.json").write_text((other / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        pad.PivotClassifier.load(tmp_path / "missing_weights")
