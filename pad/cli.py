@@ -1,4 +1,4 @@
-"""Command line: ``pad generate --target DIR --draft DIR [--classifier DIR] --prompt TEXT``."""
+"""Command line: ``pad generate [--target NAME] [--draft NAME] [--classifier DIR] --prompt TEXT``."""
 from __future__ import annotations
 
 import argparse
@@ -6,21 +6,9 @@ import json
 import sys
 
 from .generate import POLICIES
+from .registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def load_model(path: str, dtype: str):
-    """A local HuggingFace causal-LM folder -> (model in eval mode, tokenizer); never reaches a hub."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True)
-    except OSError as e:
-        raise SystemExit(f"pad: cannot load a model from {path!r}: {e}") from None
-    return model.eval(), tokenizer
 
 
 def _generate(args) -> int:
@@ -28,13 +16,12 @@ def _generate(args) -> int:
 
     from . import generate
     from .hf import check_tokenizers, shared_vocab_size
+    from .registry import load
 
-    target, tokenizer = load_model(args.target, args.dtype)
+    target, tokenizer = load(args.target, dtype=args.dtype)
     draft = None
     if args.policy != "target":
-        if args.draft is None:
-            raise SystemExit(f"pad: policy {args.policy or 'exact'!r} needs --draft")
-        draft, draft_tokenizer = load_model(args.draft, args.dtype)
+        draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
         check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
     text = args.prompt
     if args.chat and tokenizer.chat_template:
@@ -65,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
-    g.add_argument("--target", required=True, help="local HuggingFace model folder of the target")
-    g.add_argument("--draft", help="local HuggingFace model folder of the draft (same tokenizer)")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local folder or hub id of the target")
+    g.add_argument("--draft", default=DEFAULT_DRAFT, help="registry name, local folder or hub id of the draft")
     g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--policy", choices=POLICIES, help="default: pivot with a classifier, else exact")

