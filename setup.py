@@ -1,4 +1,58 @@
-"""Build script: package metadata lives in pyproject.toml."""
+"""Build script (metadata lives in pyproject.toml): the optional compiled backends of pad_kernels.
+
+- ``pad_kernels._cpu``: the C++ CPU backend, built whenever torch's C++ extension tools work here.
+- ``pad_kernels._cuda``: the CUDA backend, with ``PAD_BUILD_CUDA=1`` (or ``auto``, the default, when
+  torch has CUDA and nvcc exists). ``TORCH_CUDA_ARCH_LIST`` picks the GPUs, ``MAX_JOBS`` the parallelism.
+- ``PAD_CPU_ARCH=native`` compiles the CPU backend for this machine's vector units (not portable).
+
+A backend that cannot be built is skipped with a warning; the pure-PyTorch and Triton paths still work.
+Build with ``pip install --no-build-isolation -e .`` so that the build sees the installed torch.
+"""
+import os
+import warnings
+
 from setuptools import setup
 
-setup()
+ROOT = os.path.dirname(os.path.abspath(__file__))
+INCLUDE = [os.path.join(ROOT, "csrc", "include")]
+
+
+def extensions():
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        warnings.warn("torch is not importable at build time: skipping the compiled backends "
+                      "(install torch first and build with --no-build-isolation)")
+        return [], {}
+    cxx = ["-O3", "-fopenmp-simd"]
+    if os.environ.get("PAD_CPU_ARCH"):
+        cxx.append(f"-march={os.environ['PAD_CPU_ARCH']}")
+    exts = [CppExtension("pad_kernels._cpu", ["csrc/cpu/verify_block_cpu.cpp"], include_dirs=INCLUDE,
+                         extra_compile_args={"cxx": cxx})]
+    want_cuda = os.environ.get("PAD_BUILD_CUDA", "auto").lower()
+    has_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    if want_cuda == "1" or (want_cuda == "auto" and has_cuda):
+        if not has_cuda:
+            warnings.warn("PAD_BUILD_CUDA=1 but torch has no CUDA or nvcc is missing: skipping the CUDA backend")
+        else:
+            exts.append(CUDAExtension(
+                "pad_kernels._cuda", ["csrc/cuda/verify_block_cuda.cpp", "csrc/cuda/verify_block.cu"],
+                include_dirs=INCLUDE,
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+            ))
+
+    class OptionalBuildExtension(BuildExtension):
+        """Torch's ninja build ignores ``optional=True``: catch a failing extension here instead."""
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as e:  # noqa: BLE001 - any compiler failure must not break the install
+                warnings.warn(f"could not build {ext.name}; that backend will be unavailable: {e}")
+
+    return exts, {"build_ext": OptionalBuildExtension}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -40,3 +40,19 @@ class VerifyResult(NamedTuple):
     pivot_accepted: torch.Tensor  # [B, K] bool, accepted only because the classifier allowed it
     num_accepted: torch.Tensor  # [B] int64
     next_token: torch.Tensor  # [B] int64, correction token, or bonus token when all K are accepted
+
+
+def empty_result(B: int, K: int, device) -> VerifyResult:
+    """Uninitialized outputs for a fused backend to write (shapes as in ``VerifyResult``)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return VerifyResult(
+        entropy=torch.empty(B, K + 1, **f32),
+        token_prob=torch.empty(B, K, **f32),
+        argmax=torch.empty(B, K + 1, **i64),
+        pivot_prob=torch.empty(B, K, **f32),
+        accepted=torch.empty(B, K, dtype=torch.bool, device=device),
+        pivot_accepted=torch.empty(B, K, dtype=torch.bool, device=device),
+        num_accepted=torch.empty(B, **i64),
+        next_token=torch.empty(B, **i64),
+    )

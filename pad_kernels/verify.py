@@ -16,15 +16,33 @@ from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
 
-# name -> implementation with verify_block_ref's signature; fused backends register here when available.
-_IMPLS = {"torch": verify_block_ref}
+
+def _impl(name: str):
+    """The implementation of backend ``name`` (verify_block_ref's signature), imported on first use."""
+    if name == "torch":
+        return verify_block_ref
+    if name == "cpu":
+        from .cpu import verify_block_cpu
+
+        return verify_block_cpu
+    raise RuntimeError(f"backend {name!r} has no implementation")
+
+
+def _available(name: str, device: torch.device) -> bool:
+    if name == "torch":
+        return True
+    if name == "cpu":
+        from . import cpu
+
+        return device.type == "cpu" and cpu.available()
+    return False
 
 
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on ``device``, fastest first."""
     device = torch.device(device)
     order = {"cuda": ["cuda", "triton", "torch"], "cpu": ["cpu", "torch"]}.get(device.type, ["torch"])
-    return [name for name in order if name in _IMPLS]
+    return [name for name in order if _available(name, device)]
 
 
 def resolve_backend(backend: str | None, device: torch.device | str) -> str:
@@ -126,7 +144,7 @@ def verify_block(
             exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
     _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
                   draft_probs, uniforms, exponentials)
-    impl = _IMPLS[resolve_backend(backend, target_logits.device)]
+    impl = _impl(resolve_backend(backend, target_logits.device))
     return impl(
         target_logits, draft_tokens, hidden, classifier, sigma=float(sigma), floor=float(floor),
         temperature=float(temperature), draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,

@@ -1,0 +1,159 @@
+// Torch-free per-position and per-row math of the fused verification op, shared by the C++ CPU kernel
+// and the CUDA kernel so that CPU tests exercise the arithmetic the GPU runs. The spec is
+// pad_kernels/verify_ref.py; names follow its glossary (draft tokens d_i, target probs p, draft probs q).
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define PAD_HD __host__ __device__ __forceinline__
+#else
+#define PAD_HD inline
+#endif
+
+namespace pad {
+
+// An exponential draw of exactly 0 would make 0/0 in the race; the reference clamps to the same value.
+constexpr float kMinExponential = 1e-30f;
+
+// exp(x) for x <= 0 without libm, branch-free so that compilers vectorize it (CPU) and the GPU runs the
+// same instructions: Cody-Waite range reduction and a degree-6 polynomial (relative error < 2e-7).
+// exp(-inf) is exactly 0; NaN propagates.
+PAD_HD float exp_nonpositive(float x) {
+  const float t = fmaxf(x * 1.44269504088896341f, -126.0f);  // x / ln 2, clamped above the denormals
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick), vectorizes
+  const float r = (t - n) * 0.693147180559945309f;  // |r| <= ln2 / 2
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  union { int32_t i; float f; } scale;
+  scale.i = (int32_t)(n + 127.0f) << 23;  // 2^n
+  const float e = p * scale.f;
+  return x == -INFINITY ? 0.0f : (x != x ? x : e);
+}
+
+// Online softmax state of one position's (temperature-scaled) logits x_v.
+struct RowStats {
+  float max;       // running max of x
+  float sum;       // sum of exp(x - max)
+  float sum_xexp;  // sum of exp(x - max) * x over finite x: entropy = max + log(sum) - sum_xexp / sum
+  int64_t argmax;  // lowest index attaining max (-1 while empty)
+};
+
+PAD_HD RowStats row_empty() { return RowStats{-INFINITY, 0.0f, 0.0f, -1}; }
+
+// Rescale a state to a new, larger-or-equal max (a state with max -inf holds no mass).
+PAD_HD void row_rescale(RowStats& s, float new_max) {
+  if (s.max == new_max) return;
+  const float scale = s.max == -INFINITY ? 0.0f : exp_nonpositive(s.max - new_max);
+  s.sum *= scale;
+  s.sum_xexp *= scale;
+  s.max = new_max;
+}
+
+// Add one logit x at vocabulary index v; indices must arrive in increasing order for the tie rule.
+PAD_HD void row_push(RowStats& s, float x, int64_t v) {
+  if (x > s.max) {
+    row_rescale(s, x);
+    s.argmax = v;
+  } else if (s.argmax < 0) {
+    s.argmax = v;  // first element, or -inf/NaN so far: keep an index so argmax is always valid
+  }
+  // -inf logits hold no mass (and -inf - -inf would be NaN); NaN and +inf propagate into the sums.
+  const float e = x == -INFINITY ? 0.0f : exp_nonpositive(x - s.max);
+  s.sum += e;
+  s.sum_xexp += x == -INFINITY ? 0.0f : e * x;
+}
+
+// Merge two states of disjoint index ranges (either order); ties keep the lower index.
+PAD_HD RowStats row_merge(RowStats a, RowStats b) {
+  const float m = fmaxf(a.max, b.max);
+  int64_t arg;
+  if (a.max > b.max || b.argmax < 0) arg = a.argmax;
+  else if (b.max > a.max || a.argmax < 0) arg = b.argmax;
+  else arg = a.argmax < b.argmax ? a.argmax : b.argmax;
+  row_rescale(a, m);
+  row_rescale(b, m);
+  return RowStats{m, a.sum + b.sum, a.sum_xexp + b.sum_xexp, arg};
+}
+
+// Natural-log entropy; non-finite when the logits were (a row of only -inf gives -inf, as the reference).
+PAD_HD float row_entropy(const RowStats& s) {
+  if (s.sum == 0.0f) return -INFINITY;
+  return s.max + logf(s.sum) - s.sum_xexp / s.sum;
+}
+
+// p(v) for a logit x of this position.
+PAD_HD float row_prob(const RowStats& s, float x) {
+  return x == -INFINITY ? 0.0f : exp_nonpositive(x - s.max) / s.sum;
+}
+
+// Folded pivot classifier on one position: sigmoid(w2 . relu(W1^T [h; f] + b1) + b2).
+// h [H] (any type via load), f [F], w1 [H+F, D] row-major, b1 [D], w2 [D]; acc [D] is scratch.
+template <typename Load>
+PAD_HD float pivot_prob(Load h_at, int64_t H, const float* f, int F, const float* w1, const float* b1,
+                        const float* w2, float b2, int64_t D, float* acc) {
+  for (int64_t j = 0; j < D; ++j) acc[j] = b1[j];
+  for (int64_t i = 0; i < H; ++i) {
+    const float hi = h_at(i);
+    const float* row = w1 + i * D;
+    for (int64_t j = 0; j < D; ++j) acc[j] += hi * row[j];
+  }
+  for (int k = 0; k < F; ++k) {
+    const float* row = w1 + (H + k) * D;
+    for (int64_t j = 0; j < D; ++j) acc[j] += f[k] * row[j];
+  }
+  float score = b2;
+  for (int64_t j = 0; j < D; ++j) score += w2[j] * fmaxf(acc[j], 0.0f);
+  return 1.0f / (1.0f + expf(-score));
+}
+
+// Exact-rule test of one draft token: greedy d == argmax; sampling u * q(d) <= p(d).
+PAD_HD bool exact_accept(bool sampling, int64_t draft, int64_t argmax, float u, float q_draft, float p_draft) {
+  return sampling ? u * q_draft <= p_draft : draft == argmax;
+}
+
+// Pivot override of a draft token the exact rule rejected.
+PAD_HD bool pivot_override(bool has_classifier, float sigma, float floor_, float pivot_prob_, float p_draft) {
+  return has_classifier && sigma > 0.0f && pivot_prob_ <= sigma && p_draft >= floor_;
+}
+
+// One candidate of the exponential race for the correction/bonus token: residual max(0, p - q) and the
+// fallback p (used when the residual is all zero) are raced at once, keys r / e, lowest index on ties.
+struct Race {
+  float residual_sum;
+  float best_r, best_p;  // best keys
+  int64_t arg_r, arg_p;
+};
+
+PAD_HD Race race_empty() { return Race{0.0f, -1.0f, -1.0f, -1, -1}; }
+
+PAD_HD void race_push(Race& r, float p, float q, float e, int64_t v) {
+  const float res = fmaxf(p - q, 0.0f);
+  const float ec = fmaxf(e, kMinExponential);
+  r.residual_sum += res;
+  const float kr = res / ec, kp = p / ec;  // divisions, as the reference, so keys round alike
+  if (kr > r.best_r) { r.best_r = kr; r.arg_r = v; }
+  if (kp > r.best_p) { r.best_p = kp; r.arg_p = v; }
+}
+
+PAD_HD Race race_merge(Race a, Race b) {  // a holds the lower indices
+  Race out;
+  out.residual_sum = a.residual_sum + b.residual_sum;
+  const bool br = b.best_r > a.best_r || (b.best_r == a.best_r && b.arg_r >= 0 && (a.arg_r < 0 || b.arg_r < a.arg_r));
+  const bool bp = b.best_p > a.best_p || (b.best_p == a.best_p && b.arg_p >= 0 && (a.arg_p < 0 || b.arg_p < a.arg_p));
+  out.best_r = br ? b.best_r : a.best_r;
+  out.arg_r = br ? b.arg_r : a.arg_r;
+  out.best_p = bp ? b.best_p : a.best_p;
+  out.arg_p = bp ? b.arg_p : a.arg_p;
+  return out;
+}
+
+PAD_HD int64_t race_winner(const Race& r) { return r.residual_sum > 0.0f ? r.arg_r : r.arg_p; }
+
+}  // namespace pad

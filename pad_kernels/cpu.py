@@ -1,0 +1,55 @@
+"""C++ CPU backend of ``verify_block`` (``csrc/cpu/verify_block_cpu.cpp``), built by setup.py when possible."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .types import FoldedClassifier, VerifyResult, empty_result
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None if it was not built (torch must be imported first: libc10)."""
+    try:
+        from . import _cpu
+    except ImportError:
+        return None
+    return _cpu
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def _f32(t):
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+def verify_block_cpu(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    hidden: torch.Tensor | None = None,  # [B, K+1, H]
+    classifier: FoldedClassifier | None = None,
+    *,
+    sigma: float = 0.0,
+    floor: float = 0.0,
+    temperature: float = 0.0,
+    draft_probs: torch.Tensor | None = None,  # [B, K, V]
+    uniforms: torch.Tensor | None = None,  # [B, K]
+    exponentials: torch.Tensor | None = None,  # [B, V]
+    out: VerifyResult | None = None,
+) -> VerifyResult:
+    """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
+    B, K1, _ = target_logits.shape
+    out = out if out is not None else empty_result(B, K1 - 1, target_logits.device)
+    clf = classifier if classifier is not None else (None, None, None, None)
+    sampling = temperature > 0
+    extension().verify_block_out(
+        target_logits.contiguous(), draft_tokens.contiguous(),
+        hidden.contiguous() if classifier is not None else None, *(_f32(t) for t in clf),
+        sigma, floor, temperature,
+        _f32(draft_probs) if sampling else None, _f32(uniforms) if sampling else None,
+        _f32(exponentials) if sampling else None, *out,
+    )
+    return out
