@@ -24,12 +24,19 @@ pad::RowStats position_stats(const T* x, int64_t V, float temperature) {
   pad::RowStats s = pad::row_empty();
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
-    float cmax = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) {
-      float v = to_float(x[c0 + i]);
-      if (temperature > 0.0f) v = v / temperature;
-      buf[i] = v;
-      cmax = v > cmax ? v : cmax;
+    float cmax = -INFINITY;  // NaN is skipped here; it surfaces through the sums below
+    if (temperature > 0.0f) {
+#pragma omp simd reduction(max : cmax)
+      for (int64_t i = 0; i < n; ++i) {
+        buf[i] = to_float(x[c0 + i]) / temperature;  // a division, as the reference, not * (1 / T)
+        cmax = buf[i] > cmax ? buf[i] : cmax;
+      }
+    } else {
+#pragma omp simd reduction(max : cmax)
+      for (int64_t i = 0; i < n; ++i) {
+        buf[i] = to_float(x[c0 + i]);
+        cmax = buf[i] > cmax ? buf[i] : cmax;
+      }
     }
     if (cmax > s.max) {
       pad::row_rescale(s, cmax);
@@ -38,17 +45,17 @@ pad::RowStats position_stats(const T* x, int64_t V, float temperature) {
       s.argmax = c0;  // only -inf (or NaN) so far: torch's argmax also answers the first index
     }
     const float m = s.max;
-    float cs = 0.0f, cx = 0.0f;
+    double cs = 0.0, cx = 0.0;  // fp64 accumulators: fp32 lanes of 256 terms lose ~1e-6 relative
 #pragma omp simd reduction(+ : cs, cx)
     for (int64_t i = 0; i < n; ++i) {
       const float v = buf[i];
       const bool none = v == -INFINITY;
-      const float e = none ? 0.0f : pad::exp_nonpositive(v - m);
+      const float e = pad::exp_nonpositive(none ? -INFINITY : v - m);  // select the argument, not the call
       cs += e;
-      cx += none ? 0.0f : e * v;
+      cx += none ? 0.0f : e * (v - m);
     }
-    s.sum += cs;
-    s.sum_xexp += cx;
+    s.sum += static_cast<float>(cs);
+    s.sum_dexp += static_cast<float>(cx);
   }
   return s;
 }

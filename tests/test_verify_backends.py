@@ -1,0 +1,147 @@
+"""Every fused backend matches the pure-PyTorch reference on fresh random inputs.
+
+Integer outputs (argmax, accept masks, accepted count, next token) must equal the reference's. Float
+outputs follow flash-attention's rule: against an fp64 computation from the same inputs, a backend's
+error is at most twice the reference's own error plus a floor of a few fp32 ulps (table below; all
+backends accumulate in fp32 whatever the logits' dtype, so the floor is the same for every dtype).
+Outputs are poisoned before the backend runs, so an element it forgets to write fails the comparison.
+"""
+import os
+import zlib
+
+import pytest
+import torch
+
+from pad_kernels import FoldedClassifier, available_backends, verify_block_ref
+from pad_kernels.types import empty_result
+
+FUSED = [b for b in available_backends("cpu") if b != "torch"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Absolute error floor per output and dtype of the logits (entropies reach ln V ~ 12: 1e-5 is ~10 ulps).
+FLOOR = {dtype: {"entropy": 1e-5, "token_prob": 1e-7, "pivot_prob": 1e-6} for dtype in DTYPES}
+POISON = {torch.float32: float("nan"), torch.int64: -7, torch.bool: True}
+
+
+def run_backend(backend, *args, **kwargs):
+    if backend == "cpu":
+        from pad_kernels.cpu import verify_block_cpu as impl
+    else:
+        raise AssertionError(backend)
+    B, K1 = args[0].shape[:2]
+    out = empty_result(B, K1 - 1, args[0].device)
+    for t in out:
+        t.fill_(POISON[t.dtype])
+    result = impl(*args, **kwargs, out=out)
+    assert all(a is b for a, b in zip(result, out)), "the backend must write into the given outputs"
+    return result
+
+
+def make_case(B, K, V, H, dtype, sampling, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(dtype)
+    if V > 2:
+        logits[0, 0, 1] = float("-inf")  # masked tokens appear in real decoding (top-p)
+    kwargs = dict(sigma=0.5, floor=1e-4)
+    if sampling:
+        draft_probs = torch.softmax(logits[:, :K].float() + torch.randn(B, K, V, generator=g), -1)
+        draft_tokens = torch.multinomial(draft_probs.reshape(B * K, V), 1, generator=g).reshape(B, K)
+        kwargs.update(temperature=0.8, draft_probs=draft_probs, uniforms=torch.rand(B, K, generator=g),
+                      exponentials=torch.empty(B, V).exponential_(generator=g))
+    else:
+        # Mostly the target's own choices, so that blocks accept a few tokens before a rejection.
+        draft_tokens = logits[:, :K].float().argmax(-1)
+        noise = torch.rand(B, K, generator=g) < 0.3
+        draft_tokens[noise] = torch.randint(0, V, (int(noise.sum()),), generator=g)
+    hidden = (torch.randn(B, K + 1, H, generator=g) * 2).to(dtype)
+    D = 128
+    clf = FoldedClassifier(torch.randn(H + 2, D, generator=g) / H**0.5, torch.randn(D, generator=g) * 0.1,
+                           torch.randn(D, generator=g) / D**0.5, torch.tensor(0.2))
+    return (logits, draft_tokens, hidden, clf), kwargs
+
+
+def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, **_):
+    """entropy, token_prob and pivot_prob computed in fp64 from the same inputs."""
+    K = draft_tokens.shape[1]
+    x = logits.double() / (temperature if temperature > 0 else 1.0)
+    logp = torch.log_softmax(x, -1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    token_prob = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    if clf is None:
+        return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": torch.ones_like(token_prob)}
+    feats = torch.cat([hidden[:, :K].double(), token_prob[..., None], entropy[:, :K, None]], -1)
+    w1, b1, w2, b2 = (t.double() for t in clf)
+    pivot = torch.sigmoid(torch.relu(feats @ w1 + b1) @ w2 + b2)
+    return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": pivot}
+
+
+def assert_matches(got, expected, truth, dtype):
+    for name, g, e in zip(expected._fields, got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        if e.is_floating_point():
+            t = truth[name]
+            assert torch.isfinite(g).all(), f"{name} has non-finite or unwritten elements"
+            ref_err = (e.double() - t).abs().max().item()
+            err = (g.double() - t).abs().max().item()
+            assert err <= 2 * ref_err + FLOOR[dtype][name], f"{name}: error {err:.3g}, reference's {ref_err:.3g}"
+        else:
+            assert torch.equal(g, e), f"{name}: {g.tolist()} != {e.tolist()}"
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V", [1271, 32000, 151936])
+@pytest.mark.parametrize("K", [1, 4, 10])
+@pytest.mark.parametrize("B,H", [(1, 64), (3, 896)])
+def test_backend_matches_reference(backend, sampling, dtype, V, K, B, H):
+    seed = zlib.crc32(repr((sampling, dtype, V, K, B, H)).encode())
+    args, kwargs = make_case(B, K, V, H, dtype, sampling, seed)
+    expected = verify_block_ref(*args, **kwargs)
+    assert_matches(run_backend(backend, *args, **kwargs), expected, fp64_truth(*args, **kwargs), dtype)
+    # Without a classifier there is no override and pivot_prob is 1.
+    expected = verify_block_ref(args[0], args[1], **kwargs)
+    got = run_backend(backend, args[0], args[1], **kwargs)
+    assert_matches(got, expected, fp64_truth(args[0], args[1], **kwargs), dtype)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_non_finite_logits_give_non_finite_entropy(backend):
+    logits = torch.randn(1, 4, 300)
+    logits[0, 1, 17] = float("nan")
+    logits[0, 2, 5] = float("inf")
+    logits[0, 3] = float("-inf")
+    out = run_backend(backend, logits, torch.zeros(1, 3, dtype=torch.long))
+    assert torch.isfinite(out.entropy[0, 0]) and not torch.isfinite(out.entropy[0, 1:]).any()
+
+
+def test_cpu_extension_is_built():
+    """CI sets PAD_REQUIRE_CPU_EXTENSION=1: there the compiled CPU backend must load, no silent fallback."""
+    from pad_kernels import cpu
+
+    if os.environ.get("PAD_REQUIRE_CPU_EXTENSION") == "1":
+        assert cpu.available(), "pad_kernels._cpu did not load"
+        assert available_backends("cpu")[0] == "cpu"
+    else:
+        assert ("cpu" in available_backends("cpu")) == cpu.available()
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generate_is_token_identical_with_every_backend(backend, temperature):
+    import pad
+    from test_generate_pivot import _classifier
+    from tiny import tiny_pair
+
+    target, draft = tiny_pair("qwen2", scale=0.3)
+    clf = _classifier(target, 2)
+    for seed in range(6):
+        prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(seed))
+        for policy in ("exact", "pivot", "target"):
+            kwargs = dict(policy=policy, classifier=clf if policy == "pivot" else None, num_draft_tokens=4,
+                          max_new_tokens=20, temperature=temperature, seed=seed)
+            expected = pad.generate(target, draft, prompt, backend="torch", **kwargs)
+            got = pad.generate(target, draft, prompt, backend=backend, **kwargs)
+            assert torch.equal(got.sequences, expected.sequences), (policy, seed)
+            assert got.stats.accepted == expected.stats.accepted
+            assert got.stats.pivot_accepted == expected.stats.pivot_accepted
