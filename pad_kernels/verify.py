@@ -6,6 +6,7 @@ row the number accepted and the next token. See ``verify_block_ref`` for the exa
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -25,6 +26,10 @@ def _impl(name: str):
         from .cpu import verify_block_cpu
 
         return verify_block_cpu
+    if name == "triton":
+        from .triton.verify_block import verify_block_triton
+
+        return verify_block_triton
     raise RuntimeError(f"backend {name!r} has no implementation")
 
 
@@ -35,13 +40,18 @@ def _available(name: str, device: torch.device) -> bool:
         from . import cpu
 
         return device.type == "cpu" and cpu.available()
+    if name == "triton":
+        # GPU tensors, or CPU tensors through Triton's interpreter (tests); never chosen by auto on CPU.
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return False
+        return importlib.util.find_spec("triton") is not None
     return False
 
 
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on ``device``, fastest first."""
     device = torch.device(device)
-    order = {"cuda": ["cuda", "triton", "torch"], "cpu": ["cpu", "torch"]}.get(device.type, ["torch"])
+    order = {"cuda": ["cuda", "triton", "torch"], "cpu": ["cpu", "torch", "triton"]}.get(device.type, ["torch"])
     return [name for name in order if _available(name, device)]
 
 

@@ -1,0 +1,1 @@
+"""Triton kernels of pad_kernels (imported lazily: triton is optional)."""

@@ -1,0 +1,250 @@
+"""Triton backend of ``verify_block``: two kernels per block.
+
+1. ``_position_stats_kernel``, one program per (row, position): an online softmax over the vocabulary in
+   chunks (running max, sum of exp, sum of exp * (x - max), argmax with the lowest index on ties) gives
+   the entropy, the argmax and ``p_target(d_i)``; the max and sum are kept for the correction draw.
+2. ``_accept_kernel``, one program per row: it needs every position of its row. The folded classifier
+   runs on the row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted
+   prefix, and the next token: the argmax at the first rejection (greedy), or an exponential race over
+   the residual ``max(0, p - q)`` (sampling), a second pass over that one position's vocabulary.
+All arithmetic is fp32 whatever the logits' dtype. Tested on the CPU with ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..types import FoldedClassifier, VerifyResult, empty_result
+
+MIN_EXPONENTIAL = tl.constexpr(1e-30)  # as the reference: an exponential draw of 0 must not make 0/0
+
+
+@triton.jit
+def _position_stats_kernel(
+    logits_ptr,  # [B, K+1, V] fp32/bf16/fp16
+    drafts_ptr,  # [B, K] int64
+    entropy_ptr,  # [B, K+1] fp32 out
+    argmax_ptr,  # [B, K+1] int64 out
+    token_prob_ptr,  # [B, K] fp32 out
+    max_ptr,  # [B, K+1] fp32 out: softmax max, for the correction draw
+    sum_ptr,  # [B, K+1] fp32 out: softmax sum of exp(x - max)
+    K, V, temperature,
+    SCALED: tl.constexpr,  # temperature > 0
+    BLOCK_V: tl.constexpr,
+):
+    pos = tl.program_id(0)
+    K1 = K + 1
+    b = pos // K1
+    i = pos % K1
+    row = logits_ptr + pos.to(tl.int64) * V
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    sd = tl.zeros((), tl.float32)  # sum of exp(x - m) * (x - m): entropy = log(s) - sd / s
+    arg = tl.zeros((), tl.int64) - 1
+    for c0 in range(0, V, BLOCK_V):
+        idx = c0 + offs
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        if SCALED:
+            x = x / temperature
+        cm = tl.max(x, axis=0)
+        ca = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + c0
+        new_m = tl.maximum(m, cm)
+        arg = tl.where((cm > m) | (arg < 0), ca, arg)
+        # Rescale to the new max; a state whose max is -inf holds no mass (keep NaN alive via * 0).
+        delta = tl.where(m == float("-inf"), 0.0, new_m - m)
+        scale = tl.exp(-delta)
+        sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s)))
+        s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
+        m = new_m
+        none = x == float("-inf")
+        d = tl.where(none, 0.0, x - m)
+        e = tl.where(none, 0.0, tl.exp(x - m))
+        s += tl.sum(e, axis=0)
+        sd += tl.sum(e * d, axis=0)
+    ent = tl.where(s == 0, float("-inf"), tl.log(s) - sd / s)
+    tl.store(entropy_ptr + pos, ent)
+    tl.store(argmax_ptr + pos, arg)
+    tl.store(max_ptr + pos, m)
+    tl.store(sum_ptr + pos, s)
+    if i < K:
+        d_tok = tl.load(drafts_ptr + b * K + i)
+        xd = tl.load(row + d_tok).to(tl.float32)
+        if SCALED:
+            xd = xd / temperature
+        p = tl.where(xd == float("-inf"), 0.0, tl.exp(xd - m) / s)
+        tl.store(token_prob_ptr + b * K + i, p)
+
+
+@triton.jit
+def _accept_kernel(
+    logits_ptr,  # [B, K+1, V]
+    drafts_ptr,  # [B, K] int64
+    hidden_ptr,  # [B, K+1, H] (unused without a classifier)
+    w1_ptr,  # [H+2, D] fp32
+    b1_ptr,  # [D] fp32
+    w2_ptr,  # [D] fp32
+    b2,  # fp32 scalar
+    draft_probs_ptr,  # [B, K, V] fp32 (sampling)
+    uniforms_ptr,  # [B, K] fp32 (sampling)
+    exponentials_ptr,  # [B, V] fp32 (sampling)
+    entropy_ptr, argmax_ptr, token_prob_ptr, max_ptr, sum_ptr,  # from _position_stats_kernel
+    pivot_prob_ptr,  # [B, K] fp32 out
+    accepted_ptr,  # [B, K] bool out
+    pivot_accepted_ptr,  # [B, K] bool out
+    num_accepted_ptr,  # [B] int64 out
+    next_token_ptr,  # [B] int64 out
+    K, V, H, D, sigma, floor, temperature,
+    HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
+    KP: tl.constexpr,  # power of 2 >= max(K, 16): tl.dot needs 16 rows
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    K1 = K + 1
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    drafts = tl.load(drafts_ptr + b * K + ks, mask=kmask, other=0)
+    tp = tl.load(token_prob_ptr + b * K + ks, mask=kmask, other=0.0)
+    am = tl.load(argmax_ptr + b * K1 + ks, mask=kmask, other=-1)
+
+    # 1. Pivot probability of every draft position: sigmoid(w2 . relu(W1^T [h; p; entropy] + b1) + b2).
+    if HAS_CLF:
+        ent = tl.load(entropy_ptr + b * K1 + ks, mask=kmask, other=0.0)
+        ds = tl.arange(0, BLOCK_D)
+        dmask = ds < D
+        acc = tl.zeros((KP, BLOCK_D), tl.float32)
+        hrow = hidden_ptr + (b * K1 + ks).to(tl.int64) * H
+        for h0 in range(0, H, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            h = tl.load(hrow[:, None] + hs[None, :], mask=kmask[:, None] & (hs[None, :] < H), other=0.0)
+            w = tl.load(w1_ptr + hs[:, None] * D + ds[None, :], mask=(hs[:, None] < H) & dmask[None, :], other=0.0)
+            acc += tl.dot(h.to(tl.float32), w, input_precision="ieee")
+        w_p = tl.load(w1_ptr + H * D + ds, mask=dmask, other=0.0)
+        w_e = tl.load(w1_ptr + (H + 1) * D + ds, mask=dmask, other=0.0)
+        acc += tp[:, None] * w_p[None, :] + ent[:, None] * w_e[None, :]
+        acc += tl.load(b1_ptr + ds, mask=dmask, other=0.0)[None, :]
+        w2 = tl.load(w2_ptr + ds, mask=dmask, other=0.0)
+        score = tl.sum(tl.maximum(acc, 0.0) * w2[None, :], axis=1) + b2
+        pivot = 1.0 / (1.0 + tl.exp(-score))
+    else:
+        pivot = tl.full((KP,), 1.0, tl.float32)
+
+    # 2. The accepted prefix: exact rule, else the pivot override; everything after a rejection is out.
+    if SAMPLING:
+        u = tl.load(uniforms_ptr + b * K + ks, mask=kmask, other=1.0)
+        qd = tl.load(draft_probs_ptr + (b * K + ks).to(tl.int64) * V + drafts, mask=kmask, other=1.0)
+        exact = u * qd <= tp
+    else:
+        exact = drafts == am
+    ok = exact
+    if HAS_CLF:
+        ok = ok | ((sigma > 0) & (pivot <= sigma) & (tp >= floor))
+    n = tl.min(tl.where(ok | (ks >= K), KP, ks), axis=0)
+    n = tl.minimum(n, K)
+    accepted = ks < n
+    tl.store(pivot_prob_ptr + b * K + ks, pivot, mask=kmask)
+    tl.store(accepted_ptr + b * K + ks, accepted.to(tl.int1), mask=kmask)
+    tl.store(pivot_accepted_ptr + b * K + ks, (accepted & ~exact).to(tl.int1), mask=kmask)
+    tl.store(num_accepted_ptr + b, n.to(tl.int64))
+
+    # 3. The correction token at the first rejection, or the bonus token after K accepted.
+    if SAMPLING:
+        pos = b * K1 + n
+        m = tl.load(max_ptr + pos)
+        s = tl.load(sum_ptr + pos)
+        row = logits_ptr + pos.to(tl.int64) * V
+        qrow = draft_probs_ptr + (b * K + n).to(tl.int64) * V
+        erow = exponentials_ptr + b.to(tl.int64) * V
+        offs = tl.arange(0, BLOCK_V)
+        rsum = tl.zeros((), tl.float32)
+        best_r = tl.full((), -1.0, tl.float32)
+        best_p = tl.full((), -1.0, tl.float32)
+        arg_r = tl.zeros((), tl.int64)
+        arg_p = tl.zeros((), tl.int64)
+        for c0 in range(0, V, BLOCK_V):
+            idx = c0 + offs
+            vmask = idx < V
+            x = tl.load(row + idx, mask=vmask, other=float("-inf")).to(tl.float32) / temperature
+            p = tl.where(x == float("-inf"), 0.0, tl.exp(x - m) / s)
+            q = tl.load(qrow + idx, mask=vmask & (n < K), other=0.0)  # past the drafts q is 0: bonus
+            e = tl.maximum(tl.load(erow + idx, mask=vmask, other=1.0), MIN_EXPONENTIAL)
+            r = tl.maximum(p - q, 0.0)
+            rsum += tl.sum(tl.where(vmask, r, 0.0), axis=0)
+            kr = tl.where(vmask, r / e, -1.0)
+            kp = tl.where(vmask, p / e, -1.0)
+            cr = tl.max(kr, axis=0)
+            cp = tl.max(kp, axis=0)
+            ar = tl.argmax(kr, axis=0, tie_break_left=True).to(tl.int64) + c0
+            ap = tl.argmax(kp, axis=0, tie_break_left=True).to(tl.int64) + c0
+            arg_r = tl.where(cr > best_r, ar, arg_r)
+            best_r = tl.maximum(cr, best_r)
+            arg_p = tl.where(cp > best_p, ap, arg_p)
+            best_p = tl.maximum(cp, best_p)
+        tl.store(next_token_ptr + b, tl.where(rsum > 0, arg_r, arg_p))
+    else:
+        tl.store(next_token_ptr + b, tl.load(argmax_ptr + b * K1 + n))
+
+
+def launch_config(K: int, V: int, H: int, D: int) -> dict:
+    """Compile-time block sizes for one shape (shared by the launcher and the ahead-of-time check)."""
+    return dict(
+        KP=max(16, triton.next_power_of_2(max(K, 1))),
+        BLOCK_H=64 if H >= 64 else 16,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_V=1024,
+    )
+
+
+def verify_block_triton(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    hidden: torch.Tensor | None = None,  # [B, K+1, H]
+    classifier: FoldedClassifier | None = None,
+    *,
+    sigma: float = 0.0,
+    floor: float = 0.0,
+    temperature: float = 0.0,
+    draft_probs: torch.Tensor | None = None,  # [B, K, V]
+    uniforms: torch.Tensor | None = None,  # [B, K]
+    exponentials: torch.Tensor | None = None,  # [B, V]
+    out: VerifyResult | None = None,
+) -> VerifyResult:
+    """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    dev = target_logits.device
+    out = out if out is not None else empty_result(B, K, dev)
+    logits = target_logits.contiguous()
+    drafts = draft_tokens.contiguous()
+    stats_max = torch.empty(B, K1, dtype=torch.float32, device=dev)
+    stats_sum = torch.empty(B, K1, dtype=torch.float32, device=dev)
+    sampling = temperature > 0
+    _position_stats_kernel[(B * K1,)](
+        logits, drafts, out.entropy, out.argmax, out.token_prob, stats_max, stats_sum,
+        K, V, float(temperature) if sampling else 1.0, SCALED=sampling, BLOCK_V=1024,
+    )
+    has_clf = classifier is not None
+    dummy = stats_max  # a valid pointer for arguments a specialization never reads
+    if has_clf:
+        w1, b1, w2, b2 = (t.to(device=dev, dtype=torch.float32).contiguous() for t in classifier)
+        hid = hidden.contiguous()
+        H, D = hid.shape[-1], w1.shape[1]
+        b2 = float(b2)
+    else:
+        w1 = b1 = w2 = hid = dummy
+        H, D, b2 = 1, 1, 0.0
+    if sampling:
+        dp = draft_probs.to(torch.float32).contiguous()
+        un = uniforms.to(torch.float32).contiguous()
+        ex = exponentials.to(torch.float32).contiguous()
+    else:
+        dp = un = ex = dummy
+    _accept_kernel[(B,)](
+        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex,
+        out.entropy, out.argmax, out.token_prob, stats_max, stats_sum,
+        out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token,
+        K, V, H, D, float(sigma), float(floor), float(temperature) if sampling else 1.0,
+        HAS_CLF=has_clf, SAMPLING=sampling, **launch_config(K, V, H, D),
+    )
+    return out
