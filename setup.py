@@ -11,6 +11,7 @@ A backend that cannot be built is skipped with a warning; the pure-PyTorch and T
 Build with ``pip install --no-build-isolation -e .`` so that the build sees the installed torch.
 """
 import os
+import sys
 import warnings
 
 from setuptools import setup
@@ -42,10 +43,13 @@ def extensions():
         if not has_cuda:
             warnings.warn("PAD_BUILD_CUDA=1 but torch has no CUDA or nvcc is missing: skipping the CUDA backend")
         else:
+            # CUDA 13 wheels of torch keep the toolkit headers under site-packages/nvidia/cu13/include.
+            nvidia = [os.path.join(p, "nvidia", "cu13", "include") for p in sys.path]
+            isystem = [f"-isystem{p}" for p in nvidia if os.path.isdir(p)]
             exts.append(CUDAExtension(
                 "pad_kernels._cuda", ["csrc/cuda/verify_block_cuda.cpp", "csrc/cuda/verify_block.cu"],
                 include_dirs=INCLUDE,
-                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+                extra_compile_args={"cxx": ["-O3", *isystem], "nvcc": ["-O3", *isystem]},
             ))
 
     class OptionalBuildExtension(BuildExtension):

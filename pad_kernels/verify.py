@@ -9,10 +9,11 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Optional
 
 import torch
 
-from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult
+from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult, empty_result
 from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
@@ -30,6 +31,10 @@ def _impl(name: str):
         from .triton.verify_block import verify_block_triton
 
         return verify_block_triton
+    if name == "cuda":
+        from .cuda import verify_block_cuda
+
+        return verify_block_cuda
     raise RuntimeError(f"backend {name!r} has no implementation")
 
 
@@ -45,6 +50,10 @@ def _available(name: str, device: torch.device) -> bool:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return False
         return importlib.util.find_spec("triton") is not None
+    if name == "cuda":
+        from . import cuda
+
+        return device.type == "cuda" and cuda.available()
     return False
 
 
@@ -154,8 +163,36 @@ def verify_block(
             exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
     _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
                   draft_probs, uniforms, exponentials)
-    impl = _impl(resolve_backend(backend, target_logits.device))
-    return impl(
-        target_logits, draft_tokens, hidden, classifier, sigma=float(sigma), floor=float(floor),
-        temperature=float(temperature), draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
+    w1, b1, w2, b2 = classifier if classifier is not None else (None, None, None, None)
+    out = verify_block_op(
+        target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
+        float(floor), float(temperature), draft_probs, uniforms, exponentials,
+        resolve_backend(backend, target_logits.device),
     )
+    return VerifyResult(*out)
+
+
+Tensor = torch.Tensor
+OptTensor = Optional[torch.Tensor]
+
+
+@torch.library.custom_op("pad_kernels::verify_block", mutates_args=())
+def verify_block_op(
+    target_logits: Tensor, draft_tokens: Tensor, hidden: OptTensor, w1: OptTensor, b1: OptTensor, w2: OptTensor,
+    b2: OptTensor, sigma: float, floor: float, temperature: float, draft_probs: OptTensor, uniforms: OptTensor,
+    exponentials: OptTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``verify_block`` as a registered op (``torch.ops.pad_kernels.verify_block``) for torch.compile and
+    CUDA graphs; arguments are checked by ``verify_block``, outputs in ``VerifyResult`` order."""
+    classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
+    return tuple(_impl(backend)(
+        target_logits, draft_tokens, hidden, classifier, sigma=sigma, floor=floor, temperature=temperature,
+        draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
+    ))
+
+
+@verify_block_op.register_fake
+def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigma, floor, temperature,
+                       draft_probs, uniforms, exponentials, backend):
+    B, K1, _ = target_logits.shape
+    return tuple(empty_result(B, K1 - 1, target_logits.device))

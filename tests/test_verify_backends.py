@@ -162,3 +162,15 @@ def test_generate_is_token_identical_with_every_backend(backend, temperature):
             assert torch.equal(got.sequences, expected.sequences), (policy, seed)
             assert got.stats.accepted == expected.stats.accepted
             assert got.stats.pivot_accepted == expected.stats.pivot_accepted
+
+
+@pytest.mark.parametrize("backend", available_backends("cpu"))
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_registered_op_passes_opcheck(backend, temperature):
+    """torch.ops.pad_kernels.verify_block: schema, fake (meta) implementation and dispatch are consistent."""
+    from pad_kernels.verify import verify_block_op
+
+    args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3)
+    logits, drafts, hidden, clf = args
+    draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
+    torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws, backend))

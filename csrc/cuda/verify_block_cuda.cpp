@@ -1,0 +1,87 @@
+// Torch binding of the CUDA backend: checks shapes, dtypes and devices, then launches the torch-free
+// kernels of verify_block.cu on the current stream.
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "verify_block_cuda.h"
+
+namespace {
+
+pad_cuda::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return pad_cuda::DType::kFloat32;
+    case at::kHalf: return pad_cuda::DType::kFloat16;
+    case at::kBFloat16: return pad_cuda::DType::kBFloat16;
+    default: TORCH_CHECK(false, "pad_kernels cuda verify_block: logits and hidden must be fp32, fp16 or bf16");
+  }
+}
+
+const float* fptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tokens,
+                           const c10::optional<at::Tensor>& hidden, const c10::optional<at::Tensor>& w1,
+                           const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
+                           const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
+                           const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
+                           const c10::optional<at::Tensor>& exponentials, at::Tensor& entropy,
+                           at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted,
+                           at::Tensor& pivot_accepted, at::Tensor& num_accepted, at::Tensor& next_token,
+                           at::Tensor& scratch) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 3 && logits.is_contiguous(),
+              "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] on a CUDA device");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t B = logits.size(0), K = logits.size(1) - 1;
+  TORCH_CHECK(draft_tokens.is_cuda() && draft_tokens.scalar_type() == at::kLong && draft_tokens.size(0) == B &&
+                  draft_tokens.size(1) == K, "pad_kernels cuda verify_block: draft_tokens must be int64 [B, K]");
+  pad_cuda::VerifyArgs a{};
+  a.logits = logits.data_ptr();
+  a.logits_dtype = dtype_of(logits);
+  a.drafts = draft_tokens.data_ptr<int64_t>();
+  a.B = B;
+  a.K = K;
+  a.V = logits.size(2);
+  a.H = 1;
+  a.D = 1;
+  if (w1.has_value()) {
+    TORCH_CHECK(hidden.has_value() && hidden->is_cuda() && hidden->is_contiguous(), "hidden must be contiguous on CUDA");
+    a.hidden = hidden->data_ptr();
+    a.hidden_dtype = dtype_of(*hidden);
+    a.H = hidden->size(2);
+    a.D = w1->size(1);
+    TORCH_CHECK(w1->is_cuda() && w1->scalar_type() == at::kFloat && w1->size(0) == a.H + 2, "w1 must be fp32 [H+2, D]");
+    a.w1 = fptr(w1);
+    a.b1 = fptr(b1);
+    a.w2 = fptr(w2);
+    a.b2 = b2->item<float>();
+  } else {
+    a.hidden_dtype = pad_cuda::DType::kFloat32;
+  }
+  a.draft_probs = fptr(draft_probs);
+  a.uniforms = fptr(uniforms);
+  a.exponentials = fptr(exponentials);
+  TORCH_CHECK(temperature <= 0.0 || (a.draft_probs && a.uniforms && a.exponentials),
+              "temperature > 0 needs draft_probs, uniforms and exponentials");
+  a.entropy = entropy.data_ptr<float>();
+  a.token_prob = token_prob.data_ptr<float>();
+  a.pivot_prob = pivot_prob.data_ptr<float>();
+  a.argmax = argmax.data_ptr<int64_t>();
+  a.accepted = accepted.data_ptr<bool>();
+  a.pivot_accepted = pivot_accepted.data_ptr<bool>();
+  a.num_accepted = num_accepted.data_ptr<int64_t>();
+  a.next_token = next_token.data_ptr<int64_t>();
+  a.row_max = scratch.data_ptr<float>();
+  a.row_sum = a.row_max + B * (K + 1);
+  a.sigma = static_cast<float>(sigma);
+  a.floor_ = static_cast<float>(floor_);
+  a.temperature = static_cast<float>(temperature);
+  const cudaError_t err = pad_cuda::verify_block(a, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "pad_kernels cuda verify_block launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pad_kernels CUDA backend of verify_block";
+  m.def("verify_block_out", &verify_block_cuda_out, "Fused verification of one block into preallocated outputs");
+}

@@ -1,0 +1,56 @@
+"""CUDA backend of ``verify_block`` (``csrc/cuda``), built by setup.py with a CUDA build of torch."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .types import FoldedClassifier, VerifyResult, empty_result
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None if it was not built."""
+    try:
+        from . import _cuda
+    except ImportError:
+        return None
+    return _cuda
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def verify_block_cuda(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    hidden: torch.Tensor | None = None,  # [B, K+1, H]
+    classifier: FoldedClassifier | None = None,
+    *,
+    sigma: float = 0.0,
+    floor: float = 0.0,
+    temperature: float = 0.0,
+    draft_probs: torch.Tensor | None = None,  # [B, K, V]
+    uniforms: torch.Tensor | None = None,  # [B, K]
+    exponentials: torch.Tensor | None = None,  # [B, V]
+    out: VerifyResult | None = None,
+) -> VerifyResult:
+    """Same contract as ``verify_block_ref``; writes into ``out`` when given."""
+    B, K1, _ = target_logits.shape
+    dev = target_logits.device
+    out = out if out is not None else empty_result(B, K1 - 1, dev)
+    scratch = torch.empty(2, B, K1, dtype=torch.float32, device=dev)  # softmax max and sum per position
+
+    def f32(t):
+        return None if t is None else t.to(device=dev, dtype=torch.float32).contiguous()
+
+    clf = classifier if classifier is not None else (None, None, None, None)
+    sampling = temperature > 0
+    extension().verify_block_out(
+        target_logits.contiguous(), draft_tokens.contiguous(),
+        hidden.contiguous() if classifier is not None else None, *(f32(t) for t in clf),
+        sigma, floor, temperature, f32(draft_probs) if sampling else None, f32(uniforms) if sampling else None,
+        f32(exponentials) if sampling else None, *out, scratch,
+    )
+    return out
