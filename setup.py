@@ -45,7 +45,7 @@ def extensions():
         else:
             # CUDA 13 wheels of torch keep the toolkit headers under site-packages/nvidia/cu13/include.
             nvidia = [os.path.join(p, "nvidia", "cu13", "include") for p in sys.path]
-            isystem = [f"-isystem{p}" for p in nvidia if os.path.isdir(p)]
+            isystem = [arg for p in nvidia if os.path.isdir(p) for arg in ("-isystem", p)]
             exts.append(CUDAExtension(
                 "pad_kernels._cuda", ["csrc/cuda/verify_block_cuda.cpp", "csrc/cuda/verify_block.cu"],
                 include_dirs=INCLUDE,

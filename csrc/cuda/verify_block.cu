@@ -55,7 +55,7 @@ __global__ void position_stats_kernel(const T* __restrict__ logits,         // [
 template <typename T, typename H>
 __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __restrict__ drafts,
                               const H* __restrict__ hidden,  // [B, K+1, Hdim]
-                              const float* w1, const float* b1, const float* w2, float b2,  // [Hdim+2, D], [D], [D]
+                              const float* w1, const float* b1, const float* w2, const float* b2,  // [Hdim+2, D], [D], [D], []
                               const float* draft_probs, const float* uniforms, const float* exponentials,
                               const float* entropy, const int64_t* argmax, const float* token_prob,
                               const float* row_max, const float* row_sum, float* pivot_prob, bool* accepted,
@@ -86,7 +86,7 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
       if (threadIdx.x < stride) red[threadIdx.x] += red[threadIdx.x + stride];
       __syncthreads();
     }
-    if (threadIdx.x == 0) pivot_prob[b * K + i] = has_clf ? 1.0f / (1.0f + expf(-(red[0] + b2))) : 1.0f;
+    if (threadIdx.x == 0) pivot_prob[b * K + i] = has_clf ? 1.0f / (1.0f + expf(-(red[0] + *b2))) : 1.0f;
     __syncthreads();
   }
 

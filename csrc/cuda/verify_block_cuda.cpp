@@ -53,7 +53,7 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
     a.w1 = fptr(w1);
     a.b1 = fptr(b1);
     a.w2 = fptr(w2);
-    a.b2 = b2->item<float>();
+    a.b2 = fptr(b2);
   } else {
     a.hidden_dtype = pad_cuda::DType::kFloat32;
   }

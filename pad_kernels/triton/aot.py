@@ -43,7 +43,7 @@ def jobs():
                    dict(SCALED=scaled, BLOCK_V=cfg["BLOCK_V"]))
         for has_clf, sampling in itertools.product((False, True), (False, True)):
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
-                       w2_ptr="*fp32", b2="fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
+                       w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
                        exponentials_ptr="*fp32", entropy_ptr="*fp32", argmax_ptr="*i64", token_prob_ptr="*fp32",
                        max_ptr="*fp32", sum_ptr="*fp32", pivot_prob_ptr="*fp32", accepted_ptr="*i1",
                        pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64", K="i32",

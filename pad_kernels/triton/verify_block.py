@@ -85,7 +85,7 @@ def _accept_kernel(
     w1_ptr,  # [H+2, D] fp32
     b1_ptr,  # [D] fp32
     w2_ptr,  # [D] fp32
-    b2,  # fp32 scalar
+    b2_ptr,  # [] fp32 (a pointer: reading a device scalar on the host would sync)
     draft_probs_ptr,  # [B, K, V] fp32 (sampling)
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
@@ -125,7 +125,7 @@ def _accept_kernel(
         acc += tp[:, None] * w_p[None, :] + ent[:, None] * w_e[None, :]
         acc += tl.load(b1_ptr + ds, mask=dmask, other=0.0)[None, :]
         w2 = tl.load(w2_ptr + ds, mask=dmask, other=0.0)
-        score = tl.sum(tl.maximum(acc, 0.0) * w2[None, :], axis=1) + b2
+        score = tl.sum(tl.maximum(acc, 0.0) * w2[None, :], axis=1) + tl.load(b2_ptr)
         pivot = 1.0 / (1.0 + tl.exp(-score))
     else:
         pivot = tl.full((KP,), 1.0, tl.float32)
@@ -230,10 +230,9 @@ def verify_block_triton(
         w1, b1, w2, b2 = (t.to(device=dev, dtype=torch.float32).contiguous() for t in classifier)
         hid = hidden.contiguous()
         H, D = hid.shape[-1], w1.shape[1]
-        b2 = float(b2)
     else:
-        w1 = b1 = w2 = hid = dummy
-        H, D, b2 = 1, 1, 0.0
+        w1 = b1 = w2 = b2 = hid = dummy
+        H, D = 1, 1
     if sampling:
         dp = draft_probs.to(torch.float32).contiguous()
         un = uniforms.to(torch.float32).contiguous()
