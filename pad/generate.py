@@ -246,7 +246,7 @@ def _decode_alone(dec, prompt, policy, stats, max_new_tokens, temperature, top_p
         kept, done = _commit([token], max_new_tokens - len(new), eos)
         new += kept
         stats.new_tokens = len(new)
-        seq = torch.cat([seq, torch.tensor([kept], device=dec.device)], 1)
+        seq = torch.cat([seq, res.next_token[:, None]], 1)  # stays on the device: no copy back
         if callback is not None:
             callback(kept, stats)
         if done:
@@ -305,7 +305,9 @@ def _decode_speculative(tgt, drf, prompt, clf, stats, num_draft_tokens, sigma, f
             kept, done = _commit(drafted[:n] + [token], max_new_tokens - len(new), eos)
             new += kept
             stats.new_tokens = len(new)
-            seq = torch.cat([seq, torch.tensor([kept], device=tgt.device)], 1)
+            # Built from device tensors (a host list would be another synchronizing copy on GPUs).
+            block = torch.cat([draft_tokens[:, :n], res.next_token[:, None]], 1)
+            seq = torch.cat([seq, block[:, : len(kept)]], 1)
             tgt.crop(seq.shape[1] - 1)
             drf.crop(seq.shape[1] - 1)
 
