@@ -1,0 +1,176 @@
+"""Tasks with checkable answers: data loading, prompts and utility functions (is the answer right?).
+
+- ``gsm8k``: grade-school math; the reference is the number after ``####``; a completion is right when the
+  last number after its last ``####`` (or, failing that, its last number) equals it.
+- ``humaneval``: Python functions; a completion is right when ``prompt + completion + test +
+  check(entry_point)`` runs without error in a separate process within a time limit.
+
+Data comes from a JSONL path, else from ``$PAD_DATA``, else from a ``shared/data`` folder beside the
+working directory or the source tree (``<dir>/<task>/<split>.jsonl``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+TASKS = ("gsm8k", "humaneval")
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
+
+
+@dataclass
+class Problem:
+    id: str
+    question: str  # what the user asks (GSM8K question; HumanEval function prompt)
+    reference: str  # GSM8K: the reference number; HumanEval: the test code
+    entry_point: str = ""  # HumanEval only
+
+
+def data_dirs() -> list[Path]:
+    dirs = [Path(os.environ["PAD_DATA"])] if os.environ.get("PAD_DATA") else []
+    here = Path(__file__).resolve().parent.parent
+    for base in (Path.cwd(), here):
+        dirs += [base / "shared" / "data", base.parent / "shared" / "data"]
+    return dirs
+
+
+def data_path(task: str, split: str, path: str | os.PathLike | None = None) -> Path:
+    """The JSONL file of ``task``/``split``: ``path`` if given, else the first data folder that has it."""
+    check_task(task)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"data file {p} does not exist")
+        return p
+    for d in data_dirs():
+        if (d / task / f"{split}.jsonl").is_file():
+            return d / task / f"{split}.jsonl"
+    raise FileNotFoundError(
+        f"no {task}/{split}.jsonl found in {', '.join(str(d) for d in data_dirs())}; pass a JSONL path or set PAD_DATA"
+    )
+
+
+def check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+
+
+def load(task: str, split: str = "dev", path=None, limit: int | None = None) -> list[Problem]:
+    """Problems of ``task`` in file order (the first ``limit`` of them)."""
+    problems = []
+    with open(data_path(task, split, path)) as f:
+        for i, line in enumerate(f):
+            if limit is not None and len(problems) >= limit:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            try:
+                if task == "gsm8k":
+                    problems.append(Problem(f"gsm8k/{split}/{i}", rec["question"], gsm8k_reference(rec["answer"])))
+                else:
+                    problems.append(Problem(rec["task_id"], rec["prompt"], rec["test"], rec["entry_point"]))
+            except KeyError as e:
+                raise ValueError(f"{task} record {i} lacks field {e}") from None
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------- GSM8K
+def _normalize_number(text: str) -> Decimal | None:
+    text = text.replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return Decimal(text)
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_reference(answer: str) -> str:
+    """The number after ``####`` in a GSM8K answer field (commas and ``$`` removed)."""
+    if "####" not in answer:
+        raise ValueError("GSM8K answer has no '####'")
+    return answer.split("####")[-1].strip().replace(",", "").replace("$", "")
+
+
+def extract_answer(completion: str) -> Decimal | None:
+    """The model's final number: the last number after the last ``####``, else the last number at all."""
+    tail = completion.split("####")[-1] if "####" in completion else completion
+    numbers = _NUMBER.findall(tail) or (_NUMBER.findall(completion) if "####" in completion else [])
+    for text in reversed(numbers):
+        value = _normalize_number(text)
+        if value is not None:
+            return value
+    return None
+
+
+def gsm8k_correct(completion: str, reference: str) -> bool:
+    got, want = extract_answer(completion), _normalize_number(reference)
+    return got is not None and want is not None and got == want
+
+
+# ------------------------------------------------------------------------------------------- HumanEval
+# Runs first in the child: no network for the candidate code, bounded memory.
+_GUARD = """\
+import resource, socket
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+def _no_network(*args, **kwargs):
+    raise OSError("network access is disabled while checking a completion")
+socket.socket = _no_network
+socket.create_connection = _no_network
+"""
+
+
+def humaneval_correct(problem: Problem, completion: str, timeout: float = 10.0) -> bool:
+    """Run the completion against the problem's tests in a fresh Python process; True if it passes."""
+    program = "\n".join([_GUARD, problem.question + completion, "", problem.reference, "",
+                         f"check({problem.entry_point})", ""])
+    with tempfile.TemporaryDirectory(prefix="pad-humaneval-") as tmp:
+        script = Path(tmp) / "check.py"
+        script.write_text(program)
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0", "HOME": tmp}
+        proc = subprocess.Popen([sys.executable, "-I", str(script)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout) == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: children of the candidate too
+                proc.wait()
+
+
+# ----------------------------------------------------------------------------------------- prompts
+def messages(task: str, problem: Problem) -> list[dict]:
+    """Chat messages asking for ``problem`` (for ``tokenizer.apply_chat_template``)."""
+    check_task(task)
+    if task == "gsm8k":
+        return [{"role": "user", "content": problem.question
+                 + "\nSolve step by step, then give the final answer as a number after '####'."}]
+    return [{"role": "user", "content": "Complete this Python function. Reply with the whole function in one "
+             "```python code block.\n\n```python\n" + problem.question + "```"}]
+
+
+def humaneval_completion(problem: Problem, reply: str) -> str:
+    """Turn a chat reply into a completion of the prompt: the code block, with the prompt's own lines
+    (signature, docstring) dropped if the reply repeats them."""
+    blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", reply, flags=re.S)
+    code = blocks[0] if blocks else reply
+    # A reply that restates the whole function replaces the prompt: keep the imports, then the body.
+    if f"def {problem.entry_point}(" in code:
+        return "\n    pass\n\n" + code  # the prompt's stub is shadowed by the full definition
+    return code
+
+
+def correct(task: str, problem: Problem, reply: str) -> bool:
+    """The task's utility: is this model reply a right answer?"""
+    if task == "gsm8k":
+        return gsm8k_correct(reply, problem.reference)
+    return humaneval_correct(problem, humaneval_completion(problem, reply))
