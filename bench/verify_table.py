@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from pad.machine import machine_line
 from pad_kernels import FoldedClassifier, available_backends, verify_block
 from pad_kernels.verify_ref import verify_block_ref
 
@@ -47,23 +45,6 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-def machine_line() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    cpu = "unknown CPU"
-    if Path("/proc/cpuinfo").exists():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}; Python {platform.python_version()}, torch {torch.__version__}; "
-            f"commit {commit}")
 
 
 def main():

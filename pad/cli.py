@@ -48,6 +48,43 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from . import bench, tasks
+    from .classifier import PivotClassifier
+    from .hf import check_tokenizers, shared_vocab_size
+    from .registry import load
+
+    specs = bench.parse_policies(args.policies)
+    tasks.check_task(args.task)
+    problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
+    classifier = None
+    if any(s.policy == "pivot" for s in specs):
+        if args.classifier is None:
+            raise ValueError("pivot@SIGMA policies need --classifier DIR (a PivotClassifier for this model pair)")
+        classifier = PivotClassifier.load(args.classifier)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load(args.target, dtype=args.dtype)
+    draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
+    check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    rows = bench.run(args.task, problems, target, draft, tokenizer, specs, num_draft_tokens=args.num_draft_tokens,
+                     max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor)
+    command = "pad " + " ".join(shlex.quote(a) for a in args.argv)
+    head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
+                        args.draft, command)
+    print(bench.markdown(rows, head))
+    if args.out:
+        stem = f"{args.task}_{args.split}_{len(problems)}"
+        for path in bench.write(rows, Path(args.out), stem, head, plot=args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,14 +107,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as blocks are committed")
     g.add_argument("--json", action="store_true", help="print the stats as JSON")
     g.set_defaults(func=_generate)
+
+    b = sub.add_parser("bench", help="run policies side by side on a task and print accuracy and speed")
+    b.add_argument("--task", required=True, help="gsm8k or humaneval")
+    b.add_argument("--split", default="dev")
+    b.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
+    b.add_argument("--limit", type=int, default=20, help="number of problems (from the start of the file)")
+    b.add_argument("--policies", default="target,exact,hf-assisted",
+                   help="comma-separated: target, draft, exact, pivot@SIGMA, hf-assisted")
+    b.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--floor", type=float, default=1e-4)
+    b.add_argument("--target", default=DEFAULT_TARGET)
+    b.add_argument("--draft", default=DEFAULT_DRAFT)
+    b.add_argument("--classifier", help="PivotClassifier folder for the pivot@SIGMA policies")
+    b.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    b.add_argument("--threads", type=int)
+    b.add_argument("--out", help="folder for the CSV and markdown tables")
+    b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
+    b.set_defaults(func=_bench)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:
         print(f"pad: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,175 @@
+"""End-to-end benchmark: every policy on the same problems, side by side in one process.
+
+Per policy: accuracy (the task's utility), acceptance rate, mean accepted length, target forwards per
+generated token, tokens/s and the speedup over the target alone (tokens/s ratio). Policies run in turns
+on each problem, so that machine noise hits all of them alike.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import tasks
+from .generate import generate
+from .machine import machine_line
+
+BASE_POLICIES = ("target", "draft", "exact", "hf-assisted")
+
+
+@dataclass
+class PolicySpec:
+    name: str  # as written: "pivot@0.5"
+    policy: str  # "target" | "draft" | "exact" | "pivot" | "hf-assisted"
+    sigma: float = 0.0
+
+
+def parse_policies(text: str) -> list[PolicySpec]:
+    """``"target,exact,pivot@0.5"`` -> specs; raises ValueError on an unknown name or a bad sigma."""
+    specs = []
+    for name in (t.strip() for t in text.split(",") if t.strip()):
+        if name.startswith("pivot@"):
+            try:
+                sigma = float(name.split("@", 1)[1])
+            except ValueError:
+                raise ValueError(f"bad sigma in policy {name!r}") from None
+            if not 0.0 <= sigma <= 1.0:
+                raise ValueError(f"sigma in policy {name!r} must be in [0, 1]")
+            specs.append(PolicySpec(name, "pivot", sigma))
+        elif name in BASE_POLICIES:
+            specs.append(PolicySpec(name, name))
+        else:
+            raise ValueError(f"unknown policy {name!r}; use {', '.join(BASE_POLICIES)} or pivot@SIGMA")
+    if not specs:
+        raise ValueError("no policies given")
+    return specs
+
+
+@dataclass
+class PolicyTotals:
+    problems: int = 0
+    correct: int = 0
+    new_tokens: int = 0
+    wall_time: float = 0.0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    counted_forwards: bool = True  # False for hf-assisted: transformers does not report them
+
+    def row(self, name: str, target_tps: float) -> dict:
+        tps = self.new_tokens / self.wall_time if self.wall_time else math.nan
+        nan = math.nan
+        return {
+            "policy": name,
+            "problems": self.problems,
+            "accuracy": self.correct / self.problems if self.problems else nan,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else nan,
+            "mean_accepted_length": self.new_tokens / self.target_forwards if self.target_forwards else nan,
+            "target_forwards_per_token": (self.target_forwards / self.new_tokens
+                                          if self.counted_forwards and self.new_tokens else nan),
+            "new_tokens": self.new_tokens,
+            "tokens_per_s": tps,
+            "speedup_vs_target": tps / target_tps if target_tps and not math.isnan(target_tps) else nan,
+        }
+
+
+def _hf_assisted(target, draft, ids, k, max_new_tokens, eos):
+    start = time.perf_counter()
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
+                          max_new_tokens=max_new_tokens, num_assistant_tokens=k,
+                          num_assistant_tokens_schedule="constant", eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
+
+
+def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,
+        max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True) -> list[dict]:
+    """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``)."""
+    from tqdm.auto import tqdm
+
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+    totals = {s.name: PolicyTotals(counted_forwards=s.policy != "hf-assisted") for s in specs}
+    bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
+    for problem in problems:
+        text = tokenizer.apply_chat_template(tasks.messages(task, problem), tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        for spec in specs:
+            t = totals[spec.name]
+            if spec.policy == "hf-assisted":
+                new, seconds = _hf_assisted(target, draft, ids, num_draft_tokens, max_new_tokens, eos)
+            else:
+                result = generate(target, draft, ids, policy=spec.policy, classifier=classifier if spec.policy == "pivot" else None,
+                                  sigma=spec.sigma, floor=floor, num_draft_tokens=num_draft_tokens,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos)
+                s = result.stats
+                new, seconds = result.sequences[0, ids.shape[1]:].tolist(), s.wall_time
+                t.target_forwards += s.target_forwards
+                t.drafted += s.drafted
+                t.accepted += s.accepted
+            reply = tokenizer.decode(new, skip_special_tokens=True)
+            ok = tasks.correct(task, problem, reply)
+            t.problems += 1
+            t.correct += ok
+            t.new_tokens += len(new)
+            t.wall_time += seconds
+            bar.update(1)
+            bar.set_postfix_str(f"{spec.name}: {len(new)} tok in {seconds:.1f}s, {'right' if ok else 'wrong'}")
+    bar.close()
+    target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
+    return [totals[s.name].row(s.name, target_tps) for s in specs]
+
+
+COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acceptance_rate", "acceptance", "{:.1%}"),
+           ("mean_accepted_length", "tokens / target forward", "{:.2f}"),
+           ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
+           ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("new_tokens", "new tokens", "{}")]
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    def cell(value, fmt):
+        return "n/a" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+
+    lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[key], fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = False) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.csv", out_dir / f"{stem}.md"]
+    with open(paths[0], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    paths[1].write_text(markdown(rows, header))
+    if plot:
+        paths.append(_plot(rows, out_dir / f"{stem}.png", header))
+    return paths
+
+
+def _plot(rows, path: Path, title: str) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["speedup_vs_target"], r["accuracy"])
+        ax.annotate(r["policy"], (r["speedup_vs_target"], r["accuracy"]))
+    ax.set_xlabel("speedup vs target (tokens/s)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title.splitlines()[0][:80], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, command: str) -> str:
+    return (f"{task}, {n} problems, K={k}, max {max_new_tokens} new tokens, greedy; target {target_name}, "
+            f"draft {draft_name}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

@@ -1,0 +1,42 @@
+"""pad bench on tiny models: every policy runs on the same problems and the table is consistent."""
+import math
+from pathlib import Path
+
+import pytest
+
+from pad import bench, tasks
+from test_cli import _tokenizer
+from test_generate_pivot import _classifier
+from tiny import tiny_pair
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_parse_policies():
+    specs = bench.parse_policies("target, exact,pivot@0.3,hf-assisted")
+    assert [(s.name, s.policy, s.sigma) for s in specs] == [
+        ("target", "target", 0.0), ("exact", "exact", 0.0), ("pivot@0.3", "pivot", 0.3), ("hf-assisted", "hf-assisted", 0.0)]
+    for bad in ("fast", "pivot@x", "pivot@1.5", ""):
+        with pytest.raises(ValueError):
+            bench.parse_policies(bad)
+
+
+def test_bench_runs_all_policies_side_by_side(tmp_path):
+    target, draft = tiny_pair("llama", scale=0.3)
+    tok = _tokenizer([f"w{i}" for i in range(96)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=3)
+    specs = bench.parse_policies("target,exact,pivot@0.6,hf-assisted")
+    rows = bench.run("gsm8k", problems, target, draft, tok, specs, num_draft_tokens=3, max_new_tokens=12,
+                     classifier=_classifier(target, 0), progress=False)
+    by = {r["policy"]: r for r in rows}
+    assert by["target"]["speedup_vs_target"] == 1.0 and by["target"]["target_forwards_per_token"] == 1.0
+    assert all(r["problems"] == 3 for r in rows)
+    # The exact policy emits the target's tokens, so the same answers and the same number of tokens.
+    assert by["exact"]["new_tokens"] == by["target"]["new_tokens"] and by["exact"]["accuracy"] == by["target"]["accuracy"]
+    assert by["pivot@0.6"]["acceptance_rate"] >= by["exact"]["acceptance_rate"]
+    assert by["exact"]["target_forwards_per_token"] < 1.0
+    assert math.isnan(by["hf-assisted"]["acceptance_rate"]) and by["hf-assisted"]["new_tokens"] > 0
+    paths = bench.write(rows, tmp_path, "gsm8k_sample", "header line")
+    table = paths[1].read_text()
+    assert "| exact |" in table and "n/a" in table and paths[0].read_text().startswith("policy,")
