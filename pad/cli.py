@@ -85,6 +85,35 @@ def _bench(args) -> int:
     return 0
 
 
+def _label(args) -> int:
+    import torch
+
+    from . import label, tasks
+    from .hf import check_tokenizers, shared_vocab_size
+    from .registry import load
+
+    tasks.check_task(args.task)
+    shard = label.parse_shard(args.shard)
+    problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load(args.target, dtype=args.dtype)
+    draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
+    check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    prompts, utilities = [], []
+    for problem in problems:
+        text = tokenizer.apply_chat_template(tasks.messages(args.task, problem), tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids)
+        utilities.append(lambda tokens, p=problem: tasks.correct(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True)))
+    cfg = label.LabelConfig(layer=args.layer, max_new_tokens=args.max_new_tokens,
+                            max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts)
+    meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype}
+    summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta)
+    print(f"labeled {summary['problems']} problems ({summary['skipped_done']} already done): "
+          f"{summary['records']} positions, {summary['pivots']} pivots -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="folder for the CSV and markdown tables")
     b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
     b.set_defaults(func=_bench)
+
+    lb = sub.add_parser("label", help="label pivot tokens by rollouts (resumable, shardable)")
+    lb.add_argument("--task", required=True, help="gsm8k or humaneval")
+    lb.add_argument("--split", default="train")
+    lb.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
+    lb.add_argument("--limit", type=int, help="only the first N problems of the file")
+    lb.add_argument("--shard", help="i/n: label problems i, i+n, i+2n, ... (one job per shard)")
+    lb.add_argument("--out", required=True, help="output folder (resumes what is there)")
+    lb.add_argument("--target", default=DEFAULT_TARGET)
+    lb.add_argument("--draft", default=DEFAULT_DRAFT)
+    lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")
+    lb.add_argument("--rollouts", type=int, default=0, help="sampled rollouts per side (0: one greedy rollout)")
+    lb.add_argument("--max-new-tokens", type=int, default=256)
+    lb.add_argument("--max-rollout-tokens", type=int, default=256)
+    lb.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    lb.add_argument("--threads", type=int)
+    lb.set_defaults(func=_label)
     return parser
 
 

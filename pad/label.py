@@ -1,0 +1,223 @@
+"""Pivot labels from rollouts, written as resumable per-problem shards.
+
+For each problem: the target decodes greedily; one teacher-forced forward of each model over that text
+gives, at every generated position, the target's hidden state at the classifier's layer, ``p_target`` of
+the draft's choice, the target entropy, and the draft's own probability and entropy. Where the draft's
+greedy token differs from the target's, the text is continued from ``prefix + draft token`` and from
+``prefix + target token`` with the target and scored with the task's utility:
+
+- ``rollouts=0``: one greedy continuation per side (the target side is the original decode itself);
+- ``rollouts=R``: R continuations per side sampled at ``temperature``.
+
+With success rates ``r_draft`` and ``r_target``: the draft token is a pivot when ``r_draft < r_target *
+ratio``, a clear non-pivot when ``r_draft >= keep``; positions with ``r_target == 0`` or in between are
+skipped. Each finished problem is one ``problems/NNNNNN.safetensors`` file (fp16 features, written to a
+temporary name and renamed) plus one line in ``index-<shard>.jsonl``; a restarted job skips the problems
+in its index, so an interruption loses at most the problem in flight and never duplicates a record.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .generate import _Decoder, _decode_alone
+from .hf import LayerCapture, eos_ids, shared_vocab_size
+from .stats import GenerationStats
+
+FEATURES = ("hidden", "token_prob", "entropy", "draft_prob", "draft_entropy")
+
+
+@dataclass
+class LabelConfig:
+    layer: int = -8
+    max_new_tokens: int = 256
+    max_rollout_tokens: int = 256
+    rollouts: int = 0  # 0: one greedy rollout per side
+    temperature: float = 0.7
+    ratio: float = 0.5  # pivot when rate_draft < rate_target * ratio
+    keep: float = 0.8  # non-pivot when rate_draft >= keep
+    seed: int = 0
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """``"i/n"`` -> (i, n) with 0 <= i < n; None -> (0, 1)."""
+    if not text:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like i/n (for example 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {text}: need 0 <= i < n")
+    return i, n
+
+
+def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor):
+    """logits [T, V], tokens [T] -> (p(token) [T], entropy [T], argmax [T]) in fp32."""
+    logp = torch.log_softmax(logits.float(), -1)
+    p = logp.exp()
+    entropy = -(p * logp).nan_to_num().sum(-1)
+    return p.gather(-1, tokens[:, None]).squeeze(-1), entropy, logits.argmax(-1)
+
+
+@torch.inference_mode()
+def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[list[int]], bool],
+                  cfg: LabelConfig) -> dict[str, torch.Tensor]:
+    """Labeled positions of one problem as tensors (see the module docstring); prompt_ids [1, P]."""
+    vocab = shared_vocab_size(target, draft)
+    eos = eos_ids(target, None)
+    P = prompt_ids.shape[1]
+    dec = _Decoder(target, vocab)
+    new = _decode_alone(dec, prompt_ids, "target", GenerationStats(), cfg.max_new_tokens, 0.0, 1.0, eos, None,
+                        None, None)
+    if not new:
+        return {}
+    seq = torch.cat([prompt_ids, torch.tensor([new])], 1)
+    T = len(new)
+    # Teacher-forced passes over the decoded text: position P-1+t predicts new token t.
+    capture = LayerCapture(target, cfg.layer)
+    capture.keep = T + 1
+    try:
+        out = target(seq, use_cache=True)
+    finally:
+        capture.remove()
+    full_cache = out.past_key_values
+    hidden = capture.value[0, :T]  # states at positions P-1 .. P+T-2
+    t_logits = out.logits[0, P - 1 : P - 1 + T, :vocab]
+    d_logits = draft(seq).logits[0, P - 1 : P - 1 + T, :vocab]
+    new_t = torch.tensor(new)
+    draft_tokens = d_logits.argmax(-1)
+    token_prob, entropy, _ = _softmax_stats(t_logits, draft_tokens)
+    draft_prob, draft_entropy, _ = _softmax_stats(d_logits, draft_tokens)
+    mismatch = (draft_tokens != new_t).nonzero().flatten().tolist()
+
+    g = torch.Generator().manual_seed(cfg.seed)
+    base_ok = utility(new)
+
+    def continue_from(t: int, token: int, sample: bool) -> bool:
+        """Utility of new[:t] + [token] + the target's continuation (greedy or sampled)."""
+        cont = _Decoder(target, vocab)
+        cont.cache = _cropped_copy(full_cache, P + t)
+        cont.seen = P + t
+        start = torch.cat([seq[:, : P + t], torch.tensor([[token]])], 1)
+        stats = GenerationStats()
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=g))) if sample else None
+        tail = [] if token in eos else _decode_alone(
+            cont, start, "target", stats, cfg.max_rollout_tokens, cfg.temperature if sample else 0.0, 1.0, eos, gen,
+            None, None)
+        return utility(new[:t] + [token] + tail)
+
+    rows = {k: [] for k in ("position", "rate_draft", "rate_target", "label")}
+    keep_idx = []
+    for t in mismatch:
+        d = int(draft_tokens[t])
+        if cfg.rollouts == 0:
+            r_target, r_draft = float(base_ok), float(continue_from(t, d, False))
+        else:
+            r_target = sum(continue_from(t, new[t], True) for _ in range(cfg.rollouts)) / cfg.rollouts
+            r_draft = sum(continue_from(t, d, True) for _ in range(cfg.rollouts)) / cfg.rollouts
+        if r_target == 0:
+            continue
+        if r_draft < r_target * cfg.ratio:
+            label = 1
+        elif r_draft >= cfg.keep:
+            label = 0
+        else:
+            continue
+        keep_idx.append(t)
+        for k, v in (("position", t), ("rate_draft", r_draft), ("rate_target", r_target), ("label", label)):
+            rows[k].append(v)
+    idx = torch.tensor(keep_idx, dtype=torch.long)
+    return {
+        "hidden": hidden[idx].to(torch.float16).contiguous(),
+        "token_prob": token_prob[idx].to(torch.float16),
+        "entropy": entropy[idx].to(torch.float16),
+        "draft_prob": draft_prob[idx].to(torch.float16),
+        "draft_entropy": draft_entropy[idx].to(torch.float16),
+        "position": torch.tensor(rows["position"], dtype=torch.int32),
+        "rate_draft": torch.tensor(rows["rate_draft"], dtype=torch.float16),
+        "rate_target": torch.tensor(rows["rate_target"], dtype=torch.float16),
+        "label": torch.tensor(rows["label"], dtype=torch.int8),
+        "generated": torch.tensor([T], dtype=torch.int32),
+        "mismatches": torch.tensor([len(mismatch)], dtype=torch.int32),
+    }
+
+
+def _cropped_copy(cache, length: int):
+    """A DynamicCache holding the first ``length`` positions of ``cache`` (the original stays intact)."""
+    import copy
+
+    from .hf import crop_cache
+
+    c = copy.deepcopy(cache)
+    crop_cache(c, length)
+    return c
+
+
+class LabelWriter:
+    """Per-problem shard files plus an append-only JSONL index; resumable and duplicate-free."""
+
+    def __init__(self, out_dir: str | os.PathLike, shard: tuple[int, int], meta: dict):
+        self.dir = Path(out_dir)
+        (self.dir / "problems").mkdir(parents=True, exist_ok=True)
+        self.index = self.dir / f"index-{shard[0]}of{shard[1]}.jsonl"
+        meta_path = self.dir / "meta.json"
+        if meta_path.exists():
+            old = json.loads(meta_path.read_text())
+            if {k: old.get(k) for k in meta} != meta:
+                raise ValueError(f"{out_dir} was labeled with other settings {old}; use another --out")
+        else:
+            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        self.done = set()
+        if self.index.exists():
+            text = self.index.read_text()
+            if text and not text.endswith("\n"):  # a line torn by a kill: that problem is redone
+                text = text[: text.rfind("\n") + 1]
+                self.index.write_text(text)
+            self.done = {json.loads(line)["problem"] for line in text.splitlines() if line.strip()}
+
+    def write(self, problem_index: int, problem_id: str, tensors: dict, seconds: float) -> None:
+        from safetensors.torch import save_file
+
+        name = f"problems/{problem_index:06d}.safetensors"
+        tmp = self.dir / (name + ".tmp")
+        if tensors:
+            save_file(tensors, str(tmp), metadata={"problem": problem_id})
+            os.replace(tmp, self.dir / name)
+        n = int(tensors["label"].numel()) if tensors else 0
+        record = {"problem": problem_id, "index": problem_index, "file": name if tensors else None, "records": n,
+                  "pivots": int(tensors["label"].sum()) if tensors else 0,
+                  "mismatches": int(tensors["mismatches"]) if tensors else 0, "seconds": round(seconds, 1)}
+        with open(self.index, "a") as f:  # the index line is the commit point of a problem
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done.add(problem_id)
+
+
+def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], target, draft, out_dir,
+        cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True) -> dict:
+    """Label the problems of this shard that the index does not hold yet; returns a summary."""
+    from tqdm.auto import tqdm
+
+    writer = LabelWriter(out_dir, shard, {**(meta or {}), **cfg.__dict__})
+    mine = [i for i in range(len(problems)) if i % shard[1] == shard[0]]
+    todo = [i for i in mine if problems[i].id not in writer.done]
+    summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
+    bar = tqdm(todo, desc="label", unit="problem", disable=not progress)
+    for i in bar:
+        start = time.perf_counter()
+        tensors = label_problem(target, draft, prompts[i], utilities[i], cfg)
+        writer.write(i, problems[i].id, tensors, time.perf_counter() - start)
+        summary["problems"] += 1
+        if tensors:
+            summary["records"] += int(tensors["label"].numel())
+            summary["pivots"] += int(tensors["label"].sum())
+        bar.set_postfix(records=summary["records"], pivots=summary["pivots"])
+    return summary

@@ -1,0 +1,99 @@
+"""Pivot labeling on tiny random models with a stub utility: labels follow the rule, and a job killed
+mid-way resumes without losing or duplicating a record."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pad import label
+from pad.tasks import Problem
+from tiny import tiny_pair
+
+CFG = label.LabelConfig(layer=-1, max_new_tokens=14, max_rollout_tokens=6)
+
+
+def _stub_utility(tokens):
+    """Deterministic 'answer is right' from the text: depends on where the continuation went."""
+    return sum(tokens[-4:]) % 3 != 0
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, draft = tiny_pair("llama", scale=0.5)
+    g = torch.Generator().manual_seed(0)
+    problems = [Problem(f"p{i}", "q", "0") for i in range(6)]
+    prompts = [torch.randint(0, 96, (1, 4), generator=g) for _ in problems]
+    return target, draft, problems, prompts
+
+
+def _read(out):
+    index = [json.loads(line) for line in (out / "index-0of1.jsonl").read_text().splitlines()]
+    tensors = {r["problem"]: load_file(str(out / r["file"])) for r in index if r["file"]}
+    return index, tensors
+
+
+@pytest.mark.parametrize("rollouts", [0, 2])
+def test_labels_follow_the_rollout_rule(setup, tmp_path, rollouts):
+    target, draft, problems, prompts = setup
+    cfg = label.LabelConfig(layer=-1, max_new_tokens=14, max_rollout_tokens=6, rollouts=rollouts)
+    summary = label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path, cfg, progress=False)
+    index, tensors = _read(tmp_path)
+    assert [r["problem"] for r in index] == [p.id for p in problems]
+    assert summary["records"] == sum(r["records"] for r in index) > 0
+    labels = torch.cat([t["label"] for t in tensors.values()])
+    assert 0 < int(labels.sum()) < labels.numel()  # both classes occur
+    for t in tensors.values():
+        rd, rt = t["rate_draft"].float(), t["rate_target"].float()
+        assert (rt > 0).all()
+        assert torch.equal(t["label"].bool(), rd < rt * cfg.ratio)
+        assert ((t["label"] == 1) | (rd >= cfg.keep)).all()
+        if rollouts:
+            assert set((rd * rollouts).tolist()) <= set(range(rollouts + 1))
+        assert t["hidden"].dtype == torch.float16 and t["hidden"].shape == (t["label"].numel(), 32)
+        assert ((t["token_prob"] >= 0) & (t["token_prob"] <= 1)).all()
+
+
+def test_interrupted_job_resumes_without_loss_or_duplicates(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    clean = tmp_path / "clean"
+    label.run(problems, prompts, [_stub_utility] * 6, target, draft, clean, CFG, progress=False)
+    calls = {"n": 0}
+
+    def dying(tokens):
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise KeyboardInterrupt  # killed in the middle of a problem
+        return _stub_utility(tokens)
+
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        label.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
+    partial, _ = _read(out)
+    assert 0 < len(partial) < len(problems)
+    with open(out / "index-0of1.jsonl", "a") as f:
+        f.write('{"problem": "p9", "ind')  # and a torn index line, as a kill during the write leaves
+    summary = label.run(problems, prompts, [_stub_utility] * 6, target, draft, out, CFG, progress=False)
+    assert summary["skipped_done"] == len(partial)
+    index, tensors = _read(out)
+    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each exactly once
+    _, expected = _read(clean)
+    assert tensors.keys() == expected.keys()
+    for pid in expected:
+        for key in expected[pid]:
+            assert torch.equal(tensors[pid][key], expected[pid][key]), (pid, key)
+
+
+def test_changed_settings_are_refused(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    label.run(problems[:1], prompts[:1], [_stub_utility], target, draft, tmp_path, CFG, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        label.run(problems[:1], prompts[:1], [_stub_utility], target, draft, tmp_path,
+                  label.LabelConfig(layer=-1, max_new_tokens=20, max_rollout_tokens=6), progress=False)
+
+
+def test_parse_shard():
+    assert label.parse_shard("2/4") == (2, 4) and label.parse_shard(None) == (0, 1)
+    for bad in ("4/4", "x", "1/0", "-1/2"):
+        with pytest.raises(ValueError):
+            label.parse_shard(bad)
