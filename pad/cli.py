@@ -114,6 +114,20 @@ def _label(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    import shlex
+
+    from . import train
+
+    data, meta = train.load_shards(args.dirs)
+    cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed)
+    clf, report = train.train(data, meta, cfg)
+    out = train.save(clf, report, args.out, command="pad " + " ".join(shlex.quote(a) for a in args.argv))
+    print(train.report_markdown(report))
+    print(f"saved the classifier to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     lb.add_argument("--threads", type=int)
     lb.set_defaults(func=_label)
+
+    tr = sub.add_parser("train", help="train the pivot classifier on pad label folders")
+    tr.add_argument("dirs", nargs="+", help="folders written by pad label")
+    tr.add_argument("--out", required=True, help="classifier folder to write")
+    tr.add_argument("--epochs", type=int, default=60)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--heldout", type=float, default=0.15, help="share of problems held out")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.set_defaults(func=_train)
     return parser
 
 

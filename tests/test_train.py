@@ -1,0 +1,53 @@
+"""Training recovers a planted separable label, keeps the best held-out checkpoint and writes a report."""
+import json
+
+import pytest
+import torch
+
+import pad
+from pad import label, train
+from pad.cli import main
+
+
+def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a"):
+    """Shards like pad label writes, where the label is a linear function of the hidden state."""
+    g = torch.Generator().manual_seed(seed)
+    writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2})
+    direction = torch.randn(H, generator=torch.Generator().manual_seed(123))  # the same plane in every folder
+    for i in range(problems):
+        hidden = torch.randn(per_problem, H, generator=g) * 3 + 1.0
+        labels = (hidden @ direction > direction.sum()).to(torch.int8)
+        writer.write(i, f"{prefix}{i}", {
+            "hidden": hidden.half(), "token_prob": torch.rand(per_problem, generator=g).half(),
+            "entropy": (torch.rand(per_problem, generator=g) * 5).half(), "label": labels,
+            "mismatches": torch.tensor([per_problem], dtype=torch.int32)}, 1.0)
+
+
+def test_training_recovers_a_planted_label(tmp_path):
+    _planted(tmp_path / "a")
+    _planted(tmp_path / "b", seed=1, prefix="b")
+    data, meta = train.load_shards([tmp_path / "a", tmp_path / "b"])
+    assert data["hidden"].shape == (2000, 16)
+    clf, report = train.train(data, meta, train.TrainConfig(epochs=30), progress=False)
+    assert report["heldout_auroc"] > 0.97
+    assert report["problems"]["heldout"] == 12 and report["positions"]["heldout"] == 300
+    assert min(report["sigmas"], key=lambda r: abs(r["sigma"] - 0.5))["pivot_recall"] > 0.85
+    assert clf.layer == -2 and clf.target_model == "t"
+
+
+def test_train_cli_writes_classifier_and_report(tmp_path, capsys):
+    _planted(tmp_path / "labels")
+    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "10"]) == 0
+    assert "Held-out AUROC" in capsys.readouterr().out
+    clf = pad.PivotClassifier.load(tmp_path / "clf")
+    report = json.loads((tmp_path / "clf" / "report.json").read_text())
+    assert clf.hidden_size == 16 and len(report["sigmas"]) == 9
+    assert (tmp_path / "clf" / "report.md").read_text().startswith("Command: `pad train")
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a pad label folder"):
+        train.load_shards([tmp_path])
+    label.LabelWriter(tmp_path / "empty", (0, 1), {"target": "t"})
+    with pytest.raises(ValueError, match="no labeled positions"):
+        train.load_shards([tmp_path / "empty"])
