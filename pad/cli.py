@@ -11,25 +11,46 @@ from .registry import DEFAULT_DRAFT, DEFAULT_TARGET
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _generate(args) -> int:
+def _load_pair(args, need_draft: bool = True):
+    """(target, tokenizer, draft) from --target/--draft/--dtype/--threads; the tokenizers must agree."""
     import torch
 
-    from . import generate
     from .hf import check_tokenizers, shared_vocab_size
     from .registry import load
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target, tokenizer = load(args.target, dtype=args.dtype)
-    draft = None
-    if args.policy != "target":
-        draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
-        check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    if not need_draft:
+        return target, tokenizer, None
+    draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
+    check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    return target, tokenizer, draft
+
+
+def _add_models(parser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local folder or hub id of the target")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="registry name, local folder or hub id of the draft")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="bf16 is the fast choice on CPUs with native bf16 (AVX-512 BF16, AMX) and GPUs")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _add_task(parser, split: str) -> None:
+    parser.add_argument("--task", required=True, help="gsm8k or humaneval")
+    parser.add_argument("--split", default=split)
+    parser.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
+
+
+def _generate(args) -> int:
+    from . import generate
+
+    target, tokenizer, draft = _load_pair(args, need_draft=args.policy != "target")
     text = args.prompt
     if args.chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
     input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     def stream(tokens, stats):
         print(tokenizer.decode(tokens), end="", flush=True)
@@ -52,12 +73,8 @@ def _bench(args) -> int:
     import shlex
     from pathlib import Path
 
-    import torch
-
     from . import bench, tasks
     from .classifier import PivotClassifier
-    from .hf import check_tokenizers, shared_vocab_size
-    from .registry import load
 
     specs = bench.parse_policies(args.policies)
     tasks.check_task(args.task)
@@ -67,11 +84,7 @@ def _bench(args) -> int:
         if args.classifier is None:
             raise ValueError("pivot@SIGMA policies need --classifier DIR (a PivotClassifier for this model pair)")
         classifier = PivotClassifier.load(args.classifier)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load(args.target, dtype=args.dtype)
-    draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
-    check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    target, tokenizer, draft = _load_pair(args)
     rows = bench.run(args.task, problems, target, draft, tokenizer, specs, num_draft_tokens=args.num_draft_tokens,
                      max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor)
     command = "pad " + " ".join(shlex.quote(a) for a in args.argv)
@@ -86,20 +99,12 @@ def _bench(args) -> int:
 
 
 def _label(args) -> int:
-    import torch
-
     from . import label, tasks
-    from .hf import check_tokenizers, shared_vocab_size
-    from .registry import load
 
     tasks.check_task(args.task)
     shard = label.parse_shard(args.shard)
     problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load(args.target, dtype=args.dtype)
-    draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
-    check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    target, tokenizer, draft = _load_pair(args)
     prompts, utilities = [], []
     for problem in problems:
         text = tokenizer.apply_chat_template(tasks.messages(args.task, problem), tokenize=False, add_generation_prompt=True)
@@ -132,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
-    g.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local folder or hub id of the target")
-    g.add_argument("--draft", default=DEFAULT_DRAFT, help="registry name, local folder or hub id of the draft")
+    _add_models(g)
     g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--policy", choices=POLICIES, help="default: pivot with a classifier, else exact")
@@ -144,47 +148,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="bf16 is the fast choice on CPUs with AVX-512")
-    g.add_argument("--threads", type=int, help="torch CPU threads")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as blocks are committed")
     g.add_argument("--json", action="store_true", help="print the stats as JSON")
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run policies side by side on a task and print accuracy and speed")
-    b.add_argument("--task", required=True, help="gsm8k or humaneval")
-    b.add_argument("--split", default="dev")
-    b.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
+    _add_task(b, "dev")
+    _add_models(b)
     b.add_argument("--limit", type=int, default=20, help="number of problems (from the start of the file)")
     b.add_argument("--policies", default="target,exact,hf-assisted",
                    help="comma-separated: target, draft, exact, pivot@SIGMA, hf-assisted")
     b.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)
-    b.add_argument("--target", default=DEFAULT_TARGET)
-    b.add_argument("--draft", default=DEFAULT_DRAFT)
     b.add_argument("--classifier", help="PivotClassifier folder for the pivot@SIGMA policies")
-    b.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    b.add_argument("--threads", type=int)
     b.add_argument("--out", help="folder for the CSV and markdown tables")
     b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
     b.set_defaults(func=_bench)
 
     lb = sub.add_parser("label", help="label pivot tokens by rollouts (resumable, shardable)")
-    lb.add_argument("--task", required=True, help="gsm8k or humaneval")
-    lb.add_argument("--split", default="train")
-    lb.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
+    _add_task(lb, "train")
+    _add_models(lb)
     lb.add_argument("--limit", type=int, help="only the first N problems of the file")
     lb.add_argument("--shard", help="i/n: label problems i, i+n, i+2n, ... (one job per shard)")
     lb.add_argument("--out", required=True, help="output folder (resumes what is there)")
-    lb.add_argument("--target", default=DEFAULT_TARGET)
-    lb.add_argument("--draft", default=DEFAULT_DRAFT)
     lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")
     lb.add_argument("--rollouts", type=int, default=0, help="sampled rollouts per side (0: one greedy rollout)")
     lb.add_argument("--max-new-tokens", type=int, default=256)
     lb.add_argument("--max-rollout-tokens", type=int, default=256)
-    lb.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    lb.add_argument("--threads", type=int)
     lb.set_defaults(func=_label)
 
     tr = sub.add_parser("train", help="train the pivot classifier on pad label folders")

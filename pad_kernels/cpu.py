@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from .types import FoldedClassifier, VerifyResult, empty_result
+from .types import FoldedClassifier, VerifyResult, empty_result, extension_inputs
 
 
 @functools.cache
@@ -20,10 +20,6 @@ def extension():
 
 def available() -> bool:
     return extension() is not None
-
-
-def _f32(t):
-    return None if t is None else t.to(torch.float32).contiguous()
 
 
 def verify_block_cpu(
@@ -43,13 +39,8 @@ def verify_block_cpu(
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
     B, K1, _ = target_logits.shape
     out = out if out is not None else empty_result(B, K1 - 1, target_logits.device)
-    clf = classifier if classifier is not None else (None, None, None, None)
-    sampling = temperature > 0
-    extension().verify_block_out(
-        target_logits.contiguous(), draft_tokens.contiguous(),
-        hidden.contiguous() if classifier is not None else None, *(_f32(t) for t in clf),
-        sigma, floor, temperature,
-        _f32(draft_probs) if sampling else None, _f32(uniforms) if sampling else None,
-        _f32(exponentials) if sampling else None, *out,
-    )
+    hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
+                                                      exponentials, target_logits.device)
+    extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
+                                 sigma, floor, temperature, *draws, *out)
     return out

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from .types import FoldedClassifier, VerifyResult, empty_result
+from .types import FoldedClassifier, VerifyResult, empty_result, extension_inputs
 
 
 @functools.cache
@@ -42,15 +42,8 @@ def verify_block_cuda(
     out = out if out is not None else empty_result(B, K1 - 1, dev)
     scratch = torch.empty(2, B, K1, dtype=torch.float32, device=dev)  # softmax max and sum per position
 
-    def f32(t):
-        return None if t is None else t.to(device=dev, dtype=torch.float32).contiguous()
-
-    clf = classifier if classifier is not None else (None, None, None, None)
-    sampling = temperature > 0
-    extension().verify_block_out(
-        target_logits.contiguous(), draft_tokens.contiguous(),
-        hidden.contiguous() if classifier is not None else None, *(f32(t) for t in clf),
-        sigma, floor, temperature, f32(draft_probs) if sampling else None, f32(uniforms) if sampling else None,
-        f32(exponentials) if sampling else None, *out, scratch,
-    )
+    hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
+                                                      exponentials, dev)
+    extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
+                                 sigma, floor, temperature, *draws, *out, scratch)
     return out

@@ -56,3 +56,15 @@ def empty_result(B: int, K: int, device) -> VerifyResult:
         num_accepted=torch.empty(B, **i64),
         next_token=torch.empty(B, **i64),
     )
+
+
+def extension_inputs(hidden, classifier, temperature, draft_probs, uniforms, exponentials, device) -> list:
+    """The optional inputs of the compiled backends' ``verify_block_out``, in order: hidden, w1, b1, w2, b2,
+    draft_probs, uniforms, exponentials; contiguous, fp32 where the kernels read fp32, None where unused."""
+
+    def f32(t):
+        return None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
+
+    clf = [f32(t) for t in classifier] if classifier is not None else [None] * 4
+    draws = [f32(t) for t in (draft_probs, uniforms, exponentials)] if temperature > 0 else [None] * 3
+    return [hidden.contiguous() if classifier is not None else None, *clf, *draws]

@@ -105,18 +105,8 @@ void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, cons
   const bool sampling = temperature > 0.0f;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      int64_t n = 0;
-      bool open = true;
-      for (int64_t i = 0; i < K; ++i) {
-        const int64_t j = b * K + i, d = drafts[j];
-        const float q = sampling ? draft_probs[j * V + d] : 0.0f;
-        const bool exact = pad::exact_accept(sampling, d, argmax[b * K1 + i], sampling ? uniforms[j] : 0.0f, q,
-                                             token_prob[j]);
-        open = open && (exact || pad::pivot_override(has_clf, sigma, floor_, pivot_prob[j], token_prob[j]));
-        accepted[j] = open;
-        pivot_accepted[j] = open && !exact;
-        n += open;
-      }
+      const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
+                                        sampling, has_clf, sigma, floor_, accepted, pivot_accepted);
       num_accepted[b] = n;
       if (!sampling) {
         next_token[b] = argmax[b * K1 + n];

@@ -92,18 +92,8 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
 
   // 2. The accepted prefix (one thread: K is small).
   if (threadIdx.x == 0) {
-    int64_t n = 0;
-    bool open = true;
-    for (int64_t i = 0; i < K; ++i) {
-      const int64_t j = b * K + i, d = drafts[j];
-      const float q = sampling ? draft_probs[j * V + d] : 0.0f;
-      const bool exact = pad::exact_accept(sampling, d, argmax[b * K1 + i], sampling ? uniforms[j] : 0.0f, q,
-                                           token_prob[j]);
-      open = open && (exact || pad::pivot_override(has_clf, sigma, floor_, pivot_prob[j], token_prob[j]));
-      accepted[j] = open;
-      pivot_accepted[j] = open && !exact;
-      n += open;
-    }
+    const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
+                                      sampling, has_clf, sigma, floor_, accepted, pivot_accepted);
     num_accepted[b] = n;
     n_shared = n;
     if (!sampling) next_token[b] = argmax[b * K1 + n];

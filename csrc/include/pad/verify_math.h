@@ -141,6 +141,28 @@ PAD_HD bool pivot_override(bool has_classifier, float sigma, float floor_, float
   return has_classifier && sigma > 0.0f && pivot_prob_ <= sigma && p_draft >= floor_;
 }
 
+// The accepted prefix of row b: writes accepted / pivot_accepted [K] of the row, returns how many.
+// Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms [B, K]; argmax [B, K+1];
+// draft_probs [B, K, V], read only when sampling).
+PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts, const int64_t* argmax,
+                          const float* token_prob, const float* pivot_prob, const float* draft_probs,
+                          const float* uniforms, bool sampling, bool has_classifier, float sigma, float floor_,
+                          bool* accepted, bool* pivot_accepted) {
+  int64_t n = 0;
+  bool open = true;
+  for (int64_t i = 0; i < K; ++i) {
+    const int64_t j = b * K + i, d = drafts[j];
+    const float q = sampling ? draft_probs[j * V + d] : 0.0f;
+    const bool exact = exact_accept(sampling, d, argmax[b * (K + 1) + i], sampling ? uniforms[j] : 0.0f, q,
+                                    token_prob[j]);
+    open = open && (exact || pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]));
+    accepted[j] = open;
+    pivot_accepted[j] = open && !exact;
+    n += open;
+  }
+  return n;
+}
+
 // One candidate of the exponential race for the correction/bonus token: residual max(0, p - q) and the
 // fallback p (used when the residual is all zero) are raced at once, keys r / e, lowest index on ties.
 struct Race {
