@@ -1,21 +1,15 @@
 """C++ CPU backend of ``verify_block`` (``csrc/cpu/verify_block_cpu.cpp``), built by setup.py when possible."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from . import compiled
 from .types import FoldedClassifier, VerifyResult, empty_result, extension_inputs
 
 
-@functools.cache
 def extension():
-    """The compiled module, or None if it was not built (torch must be imported first: libc10)."""
-    try:
-        from . import _cpu
-    except ImportError:
-        return None
-    return _cpu
+    """The compiled module, or None if it was not built."""
+    return compiled.extension("_cpu")
 
 
 def available() -> bool:

@@ -1,21 +1,15 @@
 """CUDA backend of ``verify_block`` (``csrc/cuda``), built by setup.py with a CUDA build of torch."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from . import compiled
 from .types import FoldedClassifier, VerifyResult, empty_result, extension_inputs
 
 
-@functools.cache
 def extension():
     """The compiled module, or None if it was not built."""
-    try:
-        from . import _cuda
-    except ImportError:
-        return None
-    return _cuda
+    return compiled.extension("_cuda")
 
 
 def available() -> bool:
