@@ -22,10 +22,6 @@ def vocab_size(model) -> int:
     return out.weight.shape[0] if out is not None else text_config(model).vocab_size
 
 
-def model_name(model) -> str | None:
-    return getattr(model.config, "_name_or_path", None) or None
-
-
 def eos_ids(model, eos_token_id) -> set[int]:
     """The stop tokens: ``eos_token_id`` (int or list) if given, else the model's generation config."""
     if eos_token_id is None:

@@ -30,9 +30,6 @@ from .generate import _Decoder, _decode_alone
 from .hf import LayerCapture, eos_ids, shared_vocab_size
 from .stats import GenerationStats
 
-FEATURES = ("hidden", "token_prob", "entropy", "draft_prob", "draft_entropy")
-
-
 @dataclass
 class LabelConfig:
     layer: int = -8
