@@ -113,7 +113,10 @@ def _label(args) -> int:
     cfg = label.LabelConfig(layer=args.layer, max_new_tokens=args.max_new_tokens,
                             max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts)
     meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype}
-    summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta)
+    if args.rollout_batch < 1:
+        raise ValueError("--rollout-batch must be at least 1")
+    summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta,
+                        rollout_batch=args.rollout_batch)
     print(f"labeled {summary['problems']} problems ({summary['skipped_done']} already done): "
           f"{summary['records']} positions, {summary['pivots']} pivots -> {args.out}")
     return 0
@@ -177,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--rollouts", type=int, default=0, help="sampled rollouts per side (0: one greedy rollout)")
     lb.add_argument("--max-new-tokens", type=int, default=256)
     lb.add_argument("--max-rollout-tokens", type=int, default=256)
+    lb.add_argument("--rollout-batch", type=int, default=16,
+                    help="continuations decoded together (pays where a B-token forward is cheap: GPUs, fp32 CPUs)")
     lb.set_defaults(func=_label)
 
     tr = sub.add_parser("train", help="train the pivot classifier on pad label folders")

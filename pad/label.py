@@ -9,6 +9,8 @@ greedy token differs from the target's, the text is continued from ``prefix + dr
 - ``rollouts=0``: one greedy continuation per side (the target side is the original decode itself);
 - ``rollouts=R``: R continuations per side sampled at ``temperature``.
 
+Continuations run as one batch over the decoded text's cache (``pad.rollout.continue_batch``).
+
 With success rates ``r_draft`` and ``r_target``: the draft token is a pivot when ``r_draft < r_target *
 ratio``, a clear non-pivot when ``r_draft >= keep``; positions with ``r_target == 0`` or in between are
 skipped. Each finished problem is one ``problems/NNNNNN.safetensors`` file (fp16 features, written to a
@@ -28,6 +30,7 @@ import torch
 
 from .generate import _Decoder, _decode_alone
 from .hf import LayerCapture, eos_ids, shared_vocab_size
+from .rollout import Start, continue_batch
 from .stats import GenerationStats
 
 @dataclass
@@ -65,8 +68,11 @@ def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor):
 
 @torch.inference_mode()
 def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[list[int]], bool],
-                  cfg: LabelConfig) -> dict[str, torch.Tensor]:
-    """Labeled positions of one problem as tensors (see the module docstring); prompt_ids [1, P]."""
+                  cfg: LabelConfig, rollout_batch: int = 16) -> dict[str, torch.Tensor]:
+    """Labeled positions of one problem as tensors (see the module docstring); prompt_ids [1, P].
+
+    Rollouts run ``rollout_batch`` at a time over the decoded text's own cache (``pad.rollout``).
+    """
     vocab = shared_vocab_size(target, draft)
     eos = eos_ids(target, None)
     P = prompt_ids.shape[1]
@@ -96,29 +102,31 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
 
     g = torch.Generator().manual_seed(cfg.seed)
     base_ok = utility(new)
-
-    def continue_from(t: int, token: int, sample: bool) -> bool:
-        """Utility of new[:t] + [token] + the target's continuation (greedy or sampled)."""
-        cont = _Decoder(target, vocab)
-        cont.cache = _cropped_copy(full_cache, P + t)
-        cont.seen = P + t
-        start = torch.cat([seq[:, : P + t], torch.tensor([[token]])], 1)
-        stats = GenerationStats()
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=g))) if sample else None
-        tail = [] if token in eos else _decode_alone(
-            cont, start, "target", stats, cfg.max_rollout_tokens, cfg.temperature if sample else 0.0, 1.0, eos, gen,
-            None, None)
-        return utility(new[:t] + [token] + tail)
+    # Rollout rows: (position, side, token); "target" rows start from the target's own token.
+    if cfg.rollouts == 0:
+        # Greedy: the target side is the decode itself; with a wrong answer no position can qualify.
+        rows_spec = [(t, "draft", int(draft_tokens[t])) for t in mismatch] if base_ok else []
+    else:
+        rows_spec = [(t, side, tok) for t in mismatch for side, tok in (("target", new[t]), ("draft", int(draft_tokens[t])))
+                     for _ in range(cfg.rollouts)]
+    wins = {}  # (position, side) -> successes
+    for lo in range(0, len(rows_spec), rollout_batch):
+        chunk = rows_spec[lo : lo + rollout_batch]
+        tails = continue_batch(target, full_cache, [Start(P + t, tok) for t, _, tok in chunk], vocab=vocab,
+                               max_new_tokens=cfg.max_rollout_tokens, eos=eos,
+                               temperature=cfg.temperature if cfg.rollouts else 0.0, generator=g)
+        for (t, side, tok), tail in zip(chunk, tails):
+            wins[t, side] = wins.get((t, side), 0) + utility(new[:t] + [tok] + tail)
 
     rows = {k: [] for k in ("position", "rate_draft", "rate_target", "label")}
     keep_idx = []
     for t in mismatch:
-        d = int(draft_tokens[t])
         if cfg.rollouts == 0:
-            r_target, r_draft = float(base_ok), float(continue_from(t, d, False))
+            if not base_ok:
+                continue
+            r_target, r_draft = 1.0, float(wins[t, "draft"])
         else:
-            r_target = sum(continue_from(t, new[t], True) for _ in range(cfg.rollouts)) / cfg.rollouts
-            r_draft = sum(continue_from(t, d, True) for _ in range(cfg.rollouts)) / cfg.rollouts
+            r_target, r_draft = wins[t, "target"] / cfg.rollouts, wins[t, "draft"] / cfg.rollouts
         if r_target == 0:
             continue
         if r_draft < r_target * cfg.ratio:
@@ -144,17 +152,6 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
         "generated": torch.tensor([T], dtype=torch.int32),
         "mismatches": torch.tensor([len(mismatch)], dtype=torch.int32),
     }
-
-
-def _cropped_copy(cache, length: int):
-    """A DynamicCache holding the first ``length`` positions of ``cache`` (the original stays intact)."""
-    import copy
-
-    from .hf import crop_cache
-
-    c = copy.deepcopy(cache)
-    crop_cache(c, length)
-    return c
 
 
 class LabelWriter:
@@ -199,7 +196,8 @@ class LabelWriter:
 
 
 def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], target, draft, out_dir,
-        cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True) -> dict:
+        cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True,
+        rollout_batch: int = 16) -> dict:
     """Label the problems of this shard that the index does not hold yet; returns a summary."""
     from tqdm.auto import tqdm
 
@@ -210,7 +208,7 @@ def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], 
     bar = tqdm(todo, desc="label", unit="problem", disable=not progress)
     for i in bar:
         start = time.perf_counter()
-        tensors = label_problem(target, draft, prompts[i], utilities[i], cfg)
+        tensors = label_problem(target, draft, prompts[i], utilities[i], cfg, rollout_batch)
         writer.write(i, problems[i].id, tensors, time.perf_counter() - start)
         summary["problems"] += 1
         if tensors:
