@@ -7,7 +7,9 @@ on each problem, so that machine noise hits all of them alike.
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,15 @@ class PolicyTotals:
     accepted: int = 0
     counted_forwards: bool = True  # False for hf-assisted: transformers does not report them
 
+    def add(self, record: dict) -> None:
+        self.problems += 1
+        self.correct += record["correct"]
+        self.new_tokens += record["new_tokens"]
+        self.wall_time += record["seconds"]
+        self.target_forwards += record["target_forwards"]
+        self.drafted += record["drafted"]
+        self.accepted += record["accepted"]
+
     def row(self, name: str, target_tps: float) -> dict:
         tps = self.new_tokens / self.wall_time if self.wall_time else math.nan
         nan = math.nan
@@ -85,41 +96,95 @@ def _hf_assisted(target, draft, ids, k, max_new_tokens, eos):
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 
 
+class RunLog:
+    """Append-only JSONL of finished (problem, policy) runs, so that a long benchmark survives a kill.
+
+    A record is reused only when its ``settings`` equal this run's (task, models, dtype, K, token budget,
+    machine line, and for pivot policies the classifier's checksum and floor); each line is fsync'd.
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.records: list[dict] = []
+        if path is not None and path.exists():
+            text = path.read_text()
+            if text and not text.endswith("\n"):  # a line torn by a kill: that run is redone
+                text = text[: text.rfind("\n") + 1]
+                path.write_text(text)
+            self.records = [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def find(self, settings: dict, problem: str, policy: str) -> dict | None:
+        for r in self.records:
+            if r["problem"] == problem and r["policy"] == policy and r["settings"] == settings:
+                return r
+        return None
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,
-        max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True) -> list[dict]:
-    """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``)."""
+        max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
+        settings: dict | None = None, log: Path | None = None) -> list[dict]:
+    """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
+
+    With ``log``, finished runs are appended there and runs already in it (same ``settings``) are not
+    repeated: an interrupted benchmark resumes, and baseline runs survive a new classifier.
+    """
     from tqdm.auto import tqdm
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+    runs = RunLog(log)
+    base = {**(settings or {}), "task": task, "k": num_draft_tokens, "max_new_tokens": max_new_tokens,
+            "machine": machine_line(with_commit=False)}
+    pivot_extra = {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor}
     totals = {s.name: PolicyTotals(counted_forwards=s.policy != "hf-assisted") for s in specs}
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for problem in problems:
-        text = tokenizer.apply_chat_template(tasks.messages(task, problem), tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = None
         for spec in specs:
-            t = totals[spec.name]
-            if spec.policy == "hf-assisted":
-                new, seconds = _hf_assisted(target, draft, ids, num_draft_tokens, max_new_tokens, eos)
+            key = {**base, **(pivot_extra if spec.policy == "pivot" else {})}
+            record = runs.find(key, problem.id, spec.name)
+            if record is None:
+                if ids is None:
+                    text = tokenizer.apply_chat_template(tasks.messages(task, problem), tokenize=False,
+                                                         add_generation_prompt=True)
+                    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+                record = _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor,
+                                  num_draft_tokens, max_new_tokens, eos)
+                runs.add({"problem": problem.id, "policy": spec.name, "settings": key, **record})
+                note = f"{spec.name}: {record['new_tokens']} tok in {record['seconds']:.1f}s"
             else:
-                result = generate(target, draft, ids, policy=spec.policy, classifier=classifier if spec.policy == "pivot" else None,
-                                  sigma=spec.sigma, floor=floor, num_draft_tokens=num_draft_tokens,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos)
-                s = result.stats
-                new, seconds = result.sequences[0, ids.shape[1]:].tolist(), s.wall_time
-                t.target_forwards += s.target_forwards
-                t.drafted += s.drafted
-                t.accepted += s.accepted
-            reply = tokenizer.decode(new, skip_special_tokens=True)
-            ok = tasks.correct(task, problem, reply)
-            t.problems += 1
-            t.correct += ok
-            t.new_tokens += len(new)
-            t.wall_time += seconds
+                note = f"{spec.name}: from {log.name}"
+            totals[spec.name].add(record)
             bar.update(1)
-            bar.set_postfix_str(f"{spec.name}: {len(new)} tok in {seconds:.1f}s, {'right' if ok else 'wrong'}")
+            bar.set_postfix_str(f"{note}, {'right' if record['correct'] else 'wrong'}")
     bar.close()
     target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
     return [totals[s.name].row(s.name, target_tps) for s in specs]
+
+
+def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos) -> dict:
+    """One policy on one problem -> the counts a PolicyTotals adds up."""
+    counts = {"target_forwards": 0, "drafted": 0, "accepted": 0}
+    if spec.policy == "hf-assisted":
+        new, seconds = _hf_assisted(target, draft, ids, k, max_new_tokens, eos)
+    else:
+        result = generate(target, draft, ids, policy=spec.policy,
+                          classifier=classifier if spec.policy == "pivot" else None, sigma=spec.sigma, floor=floor,
+                          num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        s = result.stats
+        new, seconds = result.sequences[0, ids.shape[1]:].tolist(), s.wall_time
+        counts = {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted}
+    reply = tokenizer.decode(new, skip_special_tokens=True)
+    return {"correct": bool(tasks.correct(task, problem, reply)), "new_tokens": len(new), "seconds": seconds, **counts}
 
 
 COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acceptance_rate", "acceptance", "{:.1%}"),
@@ -170,6 +235,8 @@ def _plot(rows, path: Path, title: str) -> Path:
     return path
 
 
-def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, command: str) -> str:
-    return (f"{task}, {n} problems, K={k}, max {max_new_tokens} new tokens, greedy; target {target_name}, "
-            f"draft {draft_name}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")
+def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, dtype: str,
+           command: str, classifier: str | None = None) -> str:
+    clf = f"; classifier {classifier}" if classifier else ""
+    return (f"{task}, {n} problems, K={k}, max {max_new_tokens} new tokens, greedy, {dtype}; target {target_name}, "
+            f"draft {draft_name}{clf}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

@@ -115,6 +115,30 @@ class PivotClassifier(nn.Module):
         if not -n <= self.layer < n:
             raise ValueError(f"classifier reads decoder layer {self.layer}, but the target has {n} layers")
 
+    def check_pair(self, target_name: str | None, draft_name: str | None) -> None:
+        """Raise ValueError if this classifier was trained for other models than the names given.
+
+        Names compare by their last path component, case-insensitively, so that a registry name, a hub id
+        and a local folder of the same model agree; a classifier without recorded names accepts any.
+        """
+        for role, mine, given in (("target", self.target_model, target_name), ("draft", self.draft_model, draft_name)):
+            if mine and given and _model_key(mine) != _model_key(given):
+                raise ValueError(
+                    f"this classifier was trained for target {self.target_model!r} and draft {self.draft_model!r}, "
+                    f"but the {role} is {given!r}; train one for this pair (pad label, pad train)"
+                )
+
+    def checksum(self) -> str:
+        """A short SHA-256 of the config and weights: which classifier produced a benchmark row."""
+        import hashlib
+
+        h = hashlib.sha256(json.dumps({k: v for k, v in self.config.items() if k != "pad_version"},
+                                      sort_keys=True).encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if missing)."""
         from safetensors.torch import save_file
@@ -168,3 +192,7 @@ class PivotClassifier(nn.Module):
             raise ValueError(f"classifier weights {directory / WEIGHTS_NAME} hold non-finite values")
         model.load_state_dict(state)
         return model.to(map_location).eval()
+
+
+def _model_key(name: str) -> str:
+    return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower()

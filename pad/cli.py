@@ -42,9 +42,26 @@ def _add_task(parser, split: str) -> None:
     parser.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
 
 
+def _classifier(args):
+    """--classifier DIR, else the classifier shipped for --target/--draft; checked against the pair."""
+    from .classifier import PivotClassifier
+    from .registry import shipped_classifier
+
+    clf = PivotClassifier.load(args.classifier or shipped_classifier(args.target, args.draft))
+    clf.check_pair(args.target, args.draft)
+    return clf
+
+
+def _data_checksum(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def _generate(args) -> int:
     from . import generate
 
+    classifier = _classifier(args) if args.policy == "pivot" or args.classifier else None
     target, tokenizer, draft = _load_pair(args, need_draft=args.policy != "target")
     text = args.prompt
     if args.chat and tokenizer.chat_template:
@@ -56,7 +73,7 @@ def _generate(args) -> int:
         print(tokenizer.decode(tokens), end="", flush=True)
 
     result = generate(
-        target, draft, input_ids, policy=args.policy, classifier=args.classifier,
+        target, draft, input_ids, policy=args.policy, classifier=classifier,
         num_draft_tokens=args.num_draft_tokens, sigma=args.sigma, floor=args.floor,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         callback=stream if args.stream else None,
@@ -74,25 +91,27 @@ def _bench(args) -> int:
     from pathlib import Path
 
     from . import bench, tasks
-    from .classifier import PivotClassifier
 
     specs = bench.parse_policies(args.policies)
     tasks.check_task(args.task)
-    problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
-    classifier = None
-    if any(s.policy == "pivot" for s in specs):
-        if args.classifier is None:
-            raise ValueError("pivot@SIGMA policies need --classifier DIR (a PivotClassifier for this model pair)")
-        classifier = PivotClassifier.load(args.classifier)
+    data = tasks.data_path(args.task, args.split, args.data)
+    problems = tasks.load(args.task, args.split, data, limit=args.limit)
+    classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
     target, tokenizer, draft = _load_pair(args)
+    if classifier is not None:
+        classifier.check_target(target)
+    runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
+    stem = f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
+    settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
+                "dtype": args.dtype}
     rows = bench.run(args.task, problems, target, draft, tokenizer, specs, num_draft_tokens=args.num_draft_tokens,
-                     max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor)
+                     max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor, settings=settings,
+                     log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
     command = "pad " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
-                        args.draft, command)
+                        args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None)
     print(bench.markdown(rows, head))
     if args.out:
-        stem = f"{args.task}_{args.split}_{len(problems)}"
         for path in bench.write(rows, Path(args.out), stem, head, plot=args.plot):
             print(f"wrote {path}")
     return 0
@@ -141,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
     _add_models(g)
-    g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy)")
+    g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy; default: "
+                                        "the one shipped for the default pair)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--policy", choices=POLICIES, help="default: pivot with a classifier, else exact")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=8)
@@ -165,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)
-    b.add_argument("--classifier", help="PivotClassifier folder for the pivot@SIGMA policies")
-    b.add_argument("--out", help="folder for the CSV and markdown tables")
+    b.add_argument("--classifier", help="PivotClassifier folder for the pivot@SIGMA policies (default: the one "
+                                        "shipped for the default pair)")
+    b.add_argument("--out", help="folder for the CSV and markdown tables and the run log (runs already in the "
+                                 "log with the same settings are reused, so an interrupted run resumes)")
     b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
     b.set_defaults(func=_bench)
 

@@ -16,7 +16,7 @@ def commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def machine_line() -> str:
+def machine_line(with_commit: bool = True) -> str:
     import torch
     import transformers
 
@@ -29,4 +29,5 @@ def machine_line() -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}, {device}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}; commit {commit()}")
+            f"torch {torch.__version__}, transformers {transformers.__version__}"
+            + (f"; commit {commit()}" if with_commit else ""))

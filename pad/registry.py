@@ -49,6 +49,8 @@ REGISTRY = {
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# Classifiers shipped inside the package, by (target, draft): folders under pad/classifiers/.
+CLASSIFIERS = {(DEFAULT_TARGET, DEFAULT_DRAFT): "qwen2.5-coder-1.5b-0.5b"}
 _DONE = "pad-source.json"  # written last into a converted folder: its presence means the folder is complete
 
 
@@ -58,6 +60,16 @@ def cache_dir() -> Path:
 
 def _log(message: str) -> None:
     print(f"[pad] {message}", file=sys.stderr, flush=True)
+
+
+def shipped_classifier(target: str, draft: str) -> Path:
+    """The folder of the classifier shipped for this pair; raises ValueError if there is none."""
+    key = (target, draft)
+    if key not in CLASSIFIERS:
+        pairs = ", ".join(f"{t} + {d}" for t, d in CLASSIFIERS)
+        raise ValueError(f"no classifier ships for target {target!r} and draft {draft!r} (only for {pairs}); "
+                         "pass --classifier DIR, trained for this pair with pad label and pad train")
+    return Path(__file__).parent / "classifiers" / CLASSIFIERS[key]
 
 
 def resolve(name: str, *, cache: Path | None = None) -> str:

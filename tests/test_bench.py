@@ -40,3 +40,32 @@ def test_bench_runs_all_policies_side_by_side(tmp_path):
     paths = bench.write(rows, tmp_path, "gsm8k_sample", "header line")
     table = paths[1].read_text()
     assert "| exact |" in table and "n/a" in table and paths[0].read_text().startswith("policy,")
+
+
+def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
+    target, draft = tiny_pair("llama", scale=0.3)
+    tok = _tokenizer([f"w{i}" for i in range(96)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=3)
+    specs = bench.parse_policies("target,exact,pivot@0.6")
+    log = tmp_path / "runs.jsonl"
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False, settings={"target": "t"}, log=log)
+    clean = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 9
+    log.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # killed while writing the sixth record
+    real = bench.generate
+    calls = []
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
+    resumed = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
+    assert len(calls) == 4 and len(log.read_text().splitlines()) == 9  # only the 4 missing runs, no duplicate
+    for a, b in zip(clean, resumed):
+        assert a["policy"] == b["policy"] and a["new_tokens"] == b["new_tokens"] and a["accuracy"] == b["accuracy"]
+    # Another classifier reruns only the pivot policy; other settings rerun everything.
+    calls.clear()
+    bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1), **kwargs)
+    assert calls == ["pivot"] * 3
+    calls.clear()
+    bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1),
+              **{**kwargs, "settings": {"target": "other"}})
+    assert sorted(calls) == ["exact"] * 3 + ["pivot"] * 3 + ["target"] * 3

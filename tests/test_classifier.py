@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pad
+from pad import PivotClassifier
 from pad_kernels import verify_block
 from pad_kernels.verify_ref import pivot_prob_ref
 
@@ -82,3 +83,28 @@ def test_missing_and_corrupted_files(tmp_path):
     (tmp_path / "missing_weights" / "config.json").write_text((other / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
         pad.PivotClassifier.load(tmp_path / "missing_weights")
+
+
+def test_classifier_for_another_model_pair_is_a_clear_error():
+    clf = PivotClassifier(8, target_model="qwen2.5-coder-1.5b-instruct", draft_model="qwen2.5-coder-0.5b-instruct")
+    clf.check_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+    clf.check_pair("Qwen/Qwen2.5-Coder-1.5B-Instruct", "/models/qwen2.5-coder-0.5b-instruct/")  # same models
+    with pytest.raises(ValueError, match="trained for target 'qwen2.5-coder-1.5b-instruct'.*the target is 'gpt2'"):
+        clf.check_pair("gpt2", "qwen2.5-coder-0.5b-instruct")
+    with pytest.raises(ValueError, match="the draft is 'Qwen/Qwen2.5-0.5B'"):
+        clf.check_pair("qwen2.5-coder-1.5b-instruct", "Qwen/Qwen2.5-0.5B")
+
+
+def test_only_the_default_pair_has_a_shipped_classifier():
+    from pad.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
+
+    with pytest.raises(ValueError, match="no classifier ships for target 'gpt2'"):
+        shipped_classifier("gpt2", DEFAULT_DRAFT)
+    clf = PivotClassifier.load(shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT))
+    clf.check_pair(DEFAULT_TARGET, DEFAULT_DRAFT)
+    assert clf.hidden_size == 1536 and clf.layer == -8
+
+
+def test_checksum_names_the_weights():
+    a, b = PivotClassifier(8), PivotClassifier(8)
+    assert a.checksum() == a.checksum() != b.checksum()
