@@ -1,5 +1,6 @@
 """The command line decodes with local model folders and refuses tokenizers that differ."""
 import json
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -7,6 +8,8 @@ from transformers import PreTrainedTokenizerFast
 
 from pad.cli import main
 from tiny import tiny_pair
+
+SAMPLE = str(Path(__file__).parent / "data" / "gsm8k_sample.jsonl")
 
 
 def _tokenizer(words):
@@ -43,3 +46,30 @@ def test_mismatched_tokenizers_are_refused(folders, capsys):
                  "--prompt", "w1", "--dtype", "float32"])
     assert code == 2
     assert "cannot be aligned" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "label"])
+def test_bad_task_and_missing_data_are_clear_errors(folders, tmp_path, capsys, command):
+    models = ["--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32"]
+    extra = ["--out", str(tmp_path / "out")] if command == "label" else []
+    assert main([command, "--task", "mmlu", *models, *extra]) == 2
+    assert "unknown task 'mmlu'; choose one of gsm8k, humaneval" in capsys.readouterr().err
+    assert main([command, "--task", "gsm8k", "--data", str(tmp_path / "none.jsonl"), *models, *extra]) == 2
+    assert "none.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_classifier_for_another_pair_is_refused(folders, tmp_path, capsys):
+    from pad import PivotClassifier
+
+    PivotClassifier(32, layer=-1, target_model="qwen2.5-coder-1.5b-instruct",
+                    draft_model="qwen2.5-coder-0.5b-instruct").save(tmp_path / "clf")
+    code = main(["bench", "--task", "gsm8k", "--data", SAMPLE, "--policies", "pivot@0.5",
+                 "--classifier", str(tmp_path / "clf"), "--target", str(folders / "target"), "--draft",
+                 str(folders / "draft"), "--dtype", "float32"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "trained for target 'qwen2.5-coder-1.5b-instruct'" in err and "the target is" in err
+    # Without --classifier, a pair with no shipped classifier is told so.
+    code = main(["bench", "--task", "gsm8k", "--data", SAMPLE, "--policies", "pivot@0.5",
+                 "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32"])
+    assert code == 2 and "no classifier ships for target" in capsys.readouterr().err
