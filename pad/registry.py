@@ -64,12 +64,11 @@ def _log(message: str) -> None:
 
 def shipped_classifier(target: str, draft: str) -> Path:
     """The folder of the classifier shipped for this pair; raises ValueError if there is none."""
-    key = (target, draft)
-    if key not in CLASSIFIERS:
-        pairs = ", ".join(f"{t} + {d}" for t, d in CLASSIFIERS)
-        raise ValueError(f"no classifier ships for target {target!r} and draft {draft!r} (only for {pairs}); "
-                         "pass --classifier DIR, trained for this pair with pad label and pad train")
-    return Path(__file__).parent / "classifiers" / CLASSIFIERS[key]
+    folder = Path(__file__).parent / "classifiers" / CLASSIFIERS.get((target, draft), "-")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"no classifier ships for target {target!r} and draft {draft!r}; pass --classifier DIR, "
+                         "trained for this pair with pad label and pad train")
+    return folder
 
 
 def resolve(name: str, *, cache: Path | None = None) -> str:
