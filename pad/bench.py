@@ -7,16 +7,14 @@ on each problem, so that machine noise hits all of them alike.
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import tasks
+from . import jsonl, tasks
 from .generate import generate
 from .machine import machine_line
 
@@ -105,13 +103,7 @@ class RunLog:
 
     def __init__(self, path: Path | None):
         self.path = path
-        self.records: list[dict] = []
-        if path is not None and path.exists():
-            text = path.read_text()
-            if text and not text.endswith("\n"):  # a line torn by a kill: that run is redone
-                text = text[: text.rfind("\n") + 1]
-                path.write_text(text)
-            self.records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        self.records: list[dict] = jsonl.read(path) if path is not None else []  # a torn last line is redone
 
     def find(self, settings: dict, problem: str, policy: str) -> dict | None:
         for r in self.records:
@@ -121,13 +113,9 @@ class RunLog:
 
     def add(self, record: dict) -> None:
         self.records.append(record)
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            jsonl.append(self.path, record)
 
 
 def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from . import jsonl
 from .generate import _Decoder, _decode_alone
 from .hf import LayerCapture, eos_ids, shared_vocab_size
 from .rollout import Start, continue_batch
@@ -121,10 +122,8 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
     rows = {k: [] for k in ("position", "rate_draft", "rate_target", "label")}
     keep_idx = []
     for t in mismatch:
-        if cfg.rollouts == 0:
-            if not base_ok:
-                continue
-            r_target, r_draft = 1.0, float(wins[t, "draft"])
+        if cfg.rollouts == 0:  # no rollouts ran when the target's own answer is wrong: r_target 0 skips
+            r_target, r_draft = float(base_ok), float(wins.get((t, "draft"), 0))
         else:
             r_target, r_draft = wins[t, "target"] / cfg.rollouts, wins[t, "draft"] / cfg.rollouts
         if r_target == 0:
@@ -168,13 +167,7 @@ class LabelWriter:
                 raise ValueError(f"{out_dir} was labeled with other settings {old}; use another --out")
         else:
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-        self.done = set()
-        if self.index.exists():
-            text = self.index.read_text()
-            if text and not text.endswith("\n"):  # a line torn by a kill: that problem is redone
-                text = text[: text.rfind("\n") + 1]
-                self.index.write_text(text)
-            self.done = {json.loads(line)["problem"] for line in text.splitlines() if line.strip()}
+        self.done = {r["problem"] for r in jsonl.read(self.index)}  # a torn last line: that problem is redone
 
     def write(self, problem_index: int, problem_id: str, tensors: dict, seconds: float) -> None:
         from safetensors.torch import save_file
@@ -188,10 +181,7 @@ class LabelWriter:
         record = {"problem": problem_id, "index": problem_index, "file": name if tensors else None, "records": n,
                   "pivots": int(tensors["label"].sum()) if tensors else 0,
                   "mismatches": int(tensors["mismatches"]) if tensors else 0, "seconds": round(seconds, 1)}
-        with open(self.index, "a") as f:  # the index line is the commit point of a problem
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        jsonl.append(self.index, record)  # the index line is the commit point of a problem
         self.done.add(problem_id)
 
 

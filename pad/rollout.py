@@ -57,7 +57,7 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
         raise ValueError(f"every start length must be in [1, {held}] (the cached tokens)")
     lengths = [s.length for s in starts]
     width, rows = max(lengths), len(starts)
-    device = _cache_layers(cache)[0][0].device
+    device = next(model.parameters()).device
     batch_cache = _padded_cache(cache, lengths)
     mask = torch.zeros((rows, width + 1), dtype=torch.long, device=device)
     for i, n in enumerate(lengths):
