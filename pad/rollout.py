@@ -65,9 +65,12 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
     positions = torch.tensor(lengths, device=device)[:, None]
     x = torch.tensor([[s.token] for s in starts], device=device)
     out: list[list[int]] = [[] for _ in starts]
-    done = [s.token in eos for s in starts]
+    alive = [i for i, s in enumerate(starts) if s.token not in eos]  # batch row j continues starts[alive[j]]
+    if len(alive) < rows:
+        batch_cache.batch_select_indices(torch.tensor(alive, device=device))
+        mask, positions, x = mask[alive], positions[alive], x[alive]
     for _ in range(max_new_tokens):
-        if all(done):
+        if not alive:
             break
         logits = model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=batch_cache,
                        use_cache=True).logits[:, -1, :vocab].float()
@@ -75,11 +78,16 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
             nxt = logits.argmax(-1)
         else:
             nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        for i, token in enumerate(nxt.tolist()):
-            if not done[i]:
-                out[i].append(token)
-                done[i] = token in eos
-        x = nxt[:, None]
-        mask = torch.cat([mask, mask.new_ones((rows, 1))], 1)
-        positions = positions + 1
+        keep = []
+        for j, token in enumerate(nxt.tolist()):
+            out[alive[j]].append(token)
+            if token not in eos:
+                keep.append(j)
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
+        positions, x = positions + 1, nxt[:, None]
+        if len(keep) < len(alive):  # finished rows leave the batch, so a long row does not carry dead ones
+            idx = torch.tensor(keep, device=device)
+            batch_cache.batch_select_indices(idx)
+            mask, positions, x = mask[idx], positions[idx], x[idx]
+            alive = [alive[j] for j in keep]
     return out
