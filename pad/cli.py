@@ -8,7 +8,7 @@ import sys
 from .generate import POLICIES
 from .registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def _load_pair(args, need_draft: bool = True):
@@ -31,8 +31,8 @@ def _load_pair(args, need_draft: bool = True):
 def _add_models(parser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local folder or hub id of the target")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="registry name, local folder or hub id of the draft")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                        help="bf16 is the fast choice on CPUs with native bf16 (AVX-512 BF16, AMX) and GPUs")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto: bf16 on GPUs and CPUs with native bf16 (AVX-512 BF16, AMX), else fp32")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
 
 
@@ -221,6 +221,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if getattr(args, "dtype", None) == "auto":
+        from .machine import default_dtype
+
+        args.dtype = default_dtype()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:

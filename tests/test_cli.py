@@ -73,3 +73,32 @@ def test_classifier_for_another_pair_is_refused(folders, tmp_path, capsys):
     code = main(["bench", "--task", "gsm8k", "--data", SAMPLE, "--policies", "pivot@0.5",
                  "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32"])
     assert code == 2 and "no classifier ships for target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, native", [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                           ("avx2 amx_bf16 amx_tile", True), (None, False)])
+def test_auto_dtype_is_bf16_only_with_native_bf16(tmp_path, monkeypatch, flags, native):
+    import torch
+
+    from pad import machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpuinfo = tmp_path / "cpuinfo"
+    if flags is not None:
+        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test cpu\nflags\t\t: {flags}\n")
+    assert machine.native_bf16(cpuinfo) is native
+    monkeypatch.setattr(machine, "native_bf16", lambda: native)
+    assert machine.default_dtype() == ("bfloat16" if native else "float32")
+
+
+def test_dtype_auto_is_resolved_before_loading(folders, monkeypatch):
+    from pad import machine, registry
+
+    real_load, seen = registry.load, []
+    monkeypatch.setattr(registry, "load", lambda name, dtype: seen.append(dtype) or real_load(name, dtype=dtype))
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(machine, "native_bf16", lambda native=native: native)
+        seen.clear()
+        assert main(["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+                     "--prompt", "w1 w2", "--max-new-tokens", "4", "-k", "2"]) == 0
+        assert seen == [want, want]
