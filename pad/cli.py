@@ -130,7 +130,8 @@ def _label(args) -> int:
         prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids)
         utilities.append(lambda tokens, p=problem: tasks.correct(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True)))
     cfg = label.LabelConfig(layer=args.layer, max_new_tokens=args.max_new_tokens,
-                            max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts)
+                            max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts,
+                            only_draft_wrong=args.only_draft_wrong)
     meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype}
     if args.rollout_batch < 1:
         raise ValueError("--rollout-batch must be at least 1")
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--max-rollout-tokens", type=int, default=256)
     lb.add_argument("--rollout-batch", type=int, default=16,
                     help="continuations decoded together (pays where a B-token forward is cheap: GPUs, fp32 CPUs)")
+    lb.add_argument("--only-draft-wrong", action="store_true",
+                    help="label only problems the draft alone answers wrong (far more pivots per hour)")
     lb.set_defaults(func=_label)
 
     tr = sub.add_parser("train", help="train the pivot classifier on pad label folders")

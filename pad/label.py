@@ -9,6 +9,10 @@ greedy token differs from the target's, the text is continued from ``prefix + dr
 - ``rollouts=0``: one greedy continuation per side (the target side is the original decode itself);
 - ``rollouts=R``: R continuations per side sampled at ``temperature``.
 
+With ``only_draft_wrong`` a problem is labeled only when the draft decoding alone (greedy, a third of the
+target's cost) answers it wrong: where both models are right, a deviation rarely changes the answer, so
+this finds far more pivots per hour of rollouts. The other problems get an index line with no records.
+
 Continuations run as one batch over the decoded text's cache (``pad.rollout.continue_batch``).
 
 With success rates ``r_draft`` and ``r_target``: the draft token is a pivot when ``r_draft < r_target *
@@ -44,6 +48,7 @@ class LabelConfig:
     ratio: float = 0.5  # pivot when rate_draft < rate_target * ratio
     keep: float = 0.8  # non-pivot when rate_draft >= keep
     seed: int = 0
+    only_draft_wrong: bool = False  # label only problems the draft alone answers wrong (where pivots live)
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -77,6 +82,11 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
     vocab = shared_vocab_size(target, draft)
     eos = eos_ids(target, None)
     P = prompt_ids.shape[1]
+    if cfg.only_draft_wrong:
+        alone = _decode_alone(_Decoder(draft, vocab), prompt_ids, "draft", GenerationStats(), cfg.max_new_tokens,
+                              0.0, 1.0, eos, None, None, None)
+        if utility(alone):
+            return {}
     dec = _Decoder(target, vocab)
     new = _decode_alone(dec, prompt_ids, "target", GenerationStats(), cfg.max_new_tokens, 0.0, 1.0, eos, None,
                         None, None)

@@ -97,3 +97,36 @@ def test_parse_shard():
     for bad in ("4/4", "x", "1/0", "-1/2"):
         with pytest.raises(ValueError):
             label.parse_shard(bad)
+
+
+def _draft_alone(draft, prompt, n, eos):
+    """Reference: greedy draft decoding, a full forward without cache at every step."""
+    ids, out = prompt[0].tolist(), []
+    while len(out) < n:
+        token = int(draft(torch.tensor([ids + out])).logits[0, -1, :96].argmax())
+        out.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup, tmp_path):
+    from pad.hf import eos_ids
+
+    target, draft, problems, prompts = setup
+    utility = lambda tokens: sum(tokens[-3:]) % 4 != 0  # noqa: E731
+    label.run(problems, prompts, [utility] * 6, target, draft, tmp_path / "all", CFG, progress=False)
+    cfg = label.LabelConfig(**{**CFG.__dict__, "only_draft_wrong": True})
+    label.run(problems, prompts, [utility] * 6, target, draft, tmp_path / "some", cfg, progress=False)
+    (all_index, all_tensors), (index, tensors) = _read(tmp_path / "all"), _read(tmp_path / "some")
+    with torch.inference_mode():
+        wrong = [not utility(_draft_alone(draft, p, CFG.max_new_tokens, eos_ids(target, None))) for p in prompts]
+    # The case has power: labeled positions on both sides of the filter.
+    assert any(r["records"] for w, r in zip(wrong, all_index) if w)
+    assert any(r["records"] for w, r in zip(wrong, all_index) if not w)
+    assert [r["problem"] for r in index] == [p.id for p in problems]
+    for problem, is_wrong, record, full in zip(problems, wrong, index, all_index):
+        assert record["records"] == (full["records"] if is_wrong else 0)
+        if is_wrong and full["file"]:
+            for k, v in all_tensors[problem.id].items():
+                assert torch.equal(tensors[problem.id][k], v), k
