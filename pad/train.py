@@ -33,10 +33,13 @@ class TrainConfig:
 
 
 def load_shards(dirs) -> tuple[dict, dict]:
-    """All labeled positions of the given ``pad label`` folders -> (tensors, meta of the first folder)."""
+    """All labeled positions of the given ``pad label`` folders -> (tensors, meta of the first folder).
+
+    A problem labeled in more than one folder is taken from the first, so no position counts twice.
+    """
     from safetensors.torch import load_file
 
-    parts, metas = [], []
+    parts, metas, seen = [], [], set()
     for d in map(Path, dirs):
         if not (d / "meta.json").is_file():
             raise FileNotFoundError(f"{d} is not a pad label folder (meta.json is missing)")
@@ -46,7 +49,8 @@ def load_shards(dirs) -> tuple[dict, dict]:
                 if not line.strip():
                     continue
                 rec = json.loads(line)
-                if rec["file"]:
+                if rec["file"] and rec["problem"] not in seen:
+                    seen.add(rec["problem"])
                     t = load_file(str(d / rec["file"]))
                     t["problem"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(rec["problem"].encode())
                     parts.append(t)

@@ -35,6 +35,15 @@ def test_training_recovers_a_planted_label(tmp_path):
     assert clf.layer == -2 and clf.target_model == "t"
 
 
+def test_a_problem_in_two_folders_counts_once(tmp_path):
+    _planted(tmp_path / "a", problems=5)
+    _planted(tmp_path / "b", problems=8, seed=1)  # problems a0..a4 again (other values), then a5..a7
+    data, _ = train.load_shards([tmp_path / "a", tmp_path / "b"])
+    assert data["hidden"].shape == (8 * 25, 16)
+    first, _ = train.load_shards([tmp_path / "a"])
+    assert torch.equal(data["hidden"][: 5 * 25], first["hidden"])  # the first folder's copy is kept
+
+
 def test_train_cli_writes_classifier_and_report(tmp_path, capsys):
     _planted(tmp_path / "labels")
     assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "10"]) == 0
