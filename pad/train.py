@@ -39,7 +39,7 @@ def load_shards(dirs) -> tuple[dict, dict]:
     """
     from safetensors.torch import load_file
 
-    parts, metas, seen = [], [], set()
+    parts, metas, seen, read = [], [], set(), set()
     for d in map(Path, dirs):
         if not (d / "meta.json").is_file():
             raise FileNotFoundError(f"{d} is not a pad label folder (meta.json is missing)")
@@ -49,6 +49,7 @@ def load_shards(dirs) -> tuple[dict, dict]:
                 if not line.strip():
                     continue
                 rec = json.loads(line)
+                read.add(rec["problem"])
                 if rec["file"] and rec["problem"] not in seen:
                     seen.add(rec["problem"])
                     t = load_file(str(d / rec["file"]))
@@ -61,7 +62,7 @@ def load_shards(dirs) -> tuple[dict, dict]:
     if not parts:
         raise ValueError(f"no labeled positions in {', '.join(map(str, dirs))}")
     data = {k: torch.cat([p[k] for p in parts]) for k in ("hidden", "token_prob", "entropy", "label", "problem")}
-    return data, metas[0]
+    return data, {**metas[0], "folders": [str(d) for d in dirs], "problems_read": len(read)}
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -155,7 +156,11 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
 
 def report_markdown(report: dict) -> str:
     fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}"  # noqa: E731
+    meta = report.get("label_meta", {})
     lines = [
+        f"Label folders {', '.join(meta.get('folders', []))}: {meta.get('problems_read', 'n/a')} problems read, "
+        f"{report['problems']['train'] + report['problems']['heldout']} with labeled positions.",
+        "",
         f"Trained on {report['positions']['train']} labeled positions from {report['problems']['train']} problems "
         f"({report['pivots']['train']} pivots); held out {report['positions']['heldout']} positions from "
         f"{report['problems']['heldout']} problems ({report['pivots']['heldout']} pivots).",

@@ -38,8 +38,9 @@ def test_training_recovers_a_planted_label(tmp_path):
 def test_a_problem_in_two_folders_counts_once(tmp_path):
     _planted(tmp_path / "a", problems=5)
     _planted(tmp_path / "b", problems=8, seed=1)  # problems a0..a4 again (other values), then a5..a7
-    data, _ = train.load_shards([tmp_path / "a", tmp_path / "b"])
+    data, meta = train.load_shards([tmp_path / "a", tmp_path / "b"])
     assert data["hidden"].shape == (8 * 25, 16)
+    assert meta["problems_read"] == 8
     first, _ = train.load_shards([tmp_path / "a"])
     assert torch.equal(data["hidden"][: 5 * 25], first["hidden"])  # the first folder's copy is kept
 
@@ -51,7 +52,8 @@ def test_train_cli_writes_classifier_and_report(tmp_path, capsys):
     clf = pad.PivotClassifier.load(tmp_path / "clf")
     report = json.loads((tmp_path / "clf" / "report.json").read_text())
     assert clf.hidden_size == 16 and len(report["sigmas"]) == 9
-    assert (tmp_path / "clf" / "report.md").read_text().startswith("Command: `pad train")
+    text = (tmp_path / "clf" / "report.md").read_text()
+    assert text.startswith("Command: `pad train") and "40 problems read, 40 with labeled positions" in text
 
 
 def test_bad_inputs(tmp_path):
