@@ -135,8 +135,10 @@ def _label(args) -> int:
     meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype}
     if args.rollout_batch < 1:
         raise ValueError("--rollout-batch must be at least 1")
+    if args.start < 0:
+        raise ValueError("--start must be at least 0")
     summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta,
-                        rollout_batch=args.rollout_batch)
+                        rollout_batch=args.rollout_batch, start=args.start)
     print(f"labeled {summary['problems']} problems ({summary['skipped_done']} already done): "
           f"{summary['records']} positions, {summary['pivots']} pivots -> {args.out}")
     return 0
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task(lb, "train")
     _add_models(lb)
     lb.add_argument("--limit", type=int, help="only the first N problems of the file")
+    lb.add_argument("--start", type=int, default=0, help="skip the problems before this index of the file")
     lb.add_argument("--shard", help="i/n: label problems i, i+n, i+2n, ... (one job per shard)")
     lb.add_argument("--out", required=True, help="output folder (resumes what is there)")
     lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")

@@ -197,12 +197,13 @@ class LabelWriter:
 
 def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], target, draft, out_dir,
         cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True,
-        rollout_batch: int = 16) -> dict:
-    """Label the problems of this shard that the index does not hold yet; returns a summary."""
+        rollout_batch: int = 16, start: int = 0) -> dict:
+    """Label the problems of this shard from index ``start`` on that the index does not hold yet; returns a
+    summary."""
     from tqdm.auto import tqdm
 
     writer = LabelWriter(out_dir, shard, {**(meta or {}), **cfg.__dict__})
-    mine = [i for i in range(len(problems)) if i % shard[1] == shard[0]]
+    mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
     todo = [i for i in mine if problems[i].id not in writer.done]
     summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
     bar = tqdm(todo, desc="label", unit="problem", disable=not progress)

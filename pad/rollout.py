@@ -67,7 +67,7 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
     out: list[list[int]] = [[] for _ in starts]
     alive = [i for i, s in enumerate(starts) if s.token not in eos]  # batch row j continues starts[alive[j]]
     if len(alive) < rows:
-        batch_cache.batch_select_indices(torch.tensor(alive, device=device))
+        batch_cache.batch_select_indices(torch.tensor(alive, dtype=torch.long, device=device))
         mask, positions, x = mask[alive], positions[alive], x[alive]
     for _ in range(max_new_tokens):
         if not alive:
@@ -86,7 +86,7 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
         positions, x = positions + 1, nxt[:, None]
         if len(keep) < len(alive):  # finished rows leave the batch, so a long row does not carry dead ones
-            idx = torch.tensor(keep, device=device)
+            idx = torch.tensor(keep, dtype=torch.long, device=device)
             batch_cache.batch_select_indices(idx)
             mask, positions, x = mask[idx], positions[idx], x[idx]
             alive = [alive[j] for j in keep]

@@ -84,6 +84,16 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(setup, tmp_path):
             assert torch.equal(tensors[pid][key], expected[pid][key]), (pid, key)
 
 
+def test_start_skips_the_first_problems(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / "all", CFG, progress=False)
+    label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / "late", CFG, progress=False, start=4)
+    (all_index, all_tensors), (index, tensors) = _read(tmp_path / "all"), _read(tmp_path / "late")
+    assert index == [{**r, "seconds": index[i]["seconds"]} for i, r in enumerate(all_index[4:])]
+    for pid, t in tensors.items():
+        assert all(torch.equal(t[k], all_tensors[pid][k]) for k in t)
+
+
 def test_changed_settings_are_refused(setup, tmp_path):
     target, draft, problems, prompts = setup
     label.run(problems[:1], prompts[:1], [_stub_utility], target, draft, tmp_path, CFG, progress=False)

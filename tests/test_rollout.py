@@ -39,6 +39,9 @@ def test_greedy_rows_equal_decoding_from_scratch(arch):
         want = [[] if tokens[i] in eos else _greedy_from_scratch(model, prefix(i), 9, eos) for i in range(len(lengths))]
         assert got == want
         assert len(got[row]) == stop + 1 and got[4] == []
+        # The last rows in the batch meet an EOS together (the batch empties before the token budget).
+        both = continue_batch(model, cache, [Start(lengths[row], tokens[row])] * 2, vocab=96, max_new_tokens=9, eos=eos)
+        assert both == [want[row]] * 2
         assert cache.get_seq_length() == 20  # the shared cache is left as it was
 
 
