@@ -23,6 +23,7 @@ in its index, so an interruption loses at most the problem in flight and never d
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -64,12 +65,28 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return i, n
 
 
-def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor):
-    """logits [T, V], tokens [T] -> (p(token) [T], entropy [T], argmax [T]) in fp32."""
-    logp = torch.log_softmax(logits.float(), -1)
-    p = logp.exp()
-    entropy = -(p * logp).nan_to_num().sum(-1)
-    return p.gather(-1, tokens[:, None]).squeeze(-1), entropy, logits.argmax(-1)
+def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
+    """logits [T, V], tokens [T] -> (p(token) [T], entropy [T]) in fp32.
+
+    In chunks of positions: fp32 temporaries of a 500-token answer over a 152k vocabulary would take
+    gigabytes.
+    """
+    prob, entropy = [], []
+    for rows, toks in zip(logits.split(chunk), tokens.split(chunk)):
+        logp = torch.log_softmax(rows.float(), -1)
+        p = logp.exp()
+        entropy.append(-(p * logp).nan_to_num().sum(-1))
+        prob.append(p.gather(-1, toks[:, None]).squeeze(-1))
+    return torch.cat(prob), torch.cat(entropy)
+
+
+def _forward_tail(model, seq: torch.Tensor, keep: int, **kwargs):
+    """model(seq) with logits for the last ``keep`` positions only (all of them if it cannot)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(seq, logits_to_keep=keep, **kwargs)
+    out = model(seq, **kwargs)
+    out.logits = out.logits[:, -keep:]
+    return out
 
 
 @torch.inference_mode()
@@ -98,17 +115,17 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
     capture = LayerCapture(target, cfg.layer)
     capture.keep = T + 1
     try:
-        out = target(seq, use_cache=True)
+        out = _forward_tail(target, seq, T + 1, use_cache=True)  # logits of positions P-1 .. P+T-1 only
     finally:
         capture.remove()
     full_cache = out.past_key_values
     hidden = capture.value[0, :T]  # states at positions P-1 .. P+T-2
-    t_logits = out.logits[0, P - 1 : P - 1 + T, :vocab]
-    d_logits = draft(seq).logits[0, P - 1 : P - 1 + T, :vocab]
+    t_logits = out.logits[0, :T, :vocab]
+    d_logits = _forward_tail(draft, seq, T + 1).logits[0, :T, :vocab]
     new_t = torch.tensor(new)
     draft_tokens = d_logits.argmax(-1)
-    token_prob, entropy, _ = _softmax_stats(t_logits, draft_tokens)
-    draft_prob, draft_entropy, _ = _softmax_stats(d_logits, draft_tokens)
+    token_prob, entropy = _softmax_stats(t_logits, draft_tokens)
+    draft_prob, draft_entropy = _softmax_stats(d_logits, draft_tokens)
     mismatch = (draft_tokens != new_t).nonzero().flatten().tolist()
 
     g = torch.Generator().manual_seed(cfg.seed)

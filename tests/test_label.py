@@ -52,6 +52,22 @@ def test_labels_follow_the_rollout_rule(setup, tmp_path, rollouts):
             assert set((rd * rollouts).tolist()) <= set(range(rollouts + 1))
         assert t["hidden"].dtype == torch.float16 and t["hidden"].shape == (t["label"].numel(), 32)
         assert ((t["token_prob"] >= 0) & (t["token_prob"] <= 1)).all()
+    # Features against a plain forward over prompt + the target's greedy text (found by a cacheless decode).
+    for problem, prompt in zip(problems, prompts):
+        if problem.id not in tensors:
+            continue
+        t = tensors[problem.id]
+        with torch.inference_mode():
+            seq = prompt[0].tolist()
+            for _ in range(int(t["generated"])):
+                seq.append(int(target(torch.tensor([seq])).logits[0, -1, :96].argmax()))
+            logits = [m(torch.tensor([seq])).logits[0, prompt.shape[1] - 1 :, :96].double() for m in (target, draft)]
+        pos = t["position"].long()
+        d_tok = logits[1][pos].argmax(-1)
+        for (prob, ent), lg in (((t["token_prob"], t["entropy"]), logits[0]), ((t["draft_prob"], t["draft_entropy"]), logits[1])):
+            ref = torch.softmax(lg[pos], -1)
+            torch.testing.assert_close(prob.double(), ref.gather(-1, d_tok[:, None])[:, 0], atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(ent.double(), -(ref * ref.clamp_min(1e-300).log()).sum(-1), atol=5e-3, rtol=2e-3)
 
 
 def test_interrupted_job_resumes_without_loss_or_duplicates(setup, tmp_path):
