@@ -120,11 +120,13 @@ class RunLog:
 
 def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,
         max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
-        settings: dict | None = None, log: Path | None = None) -> list[dict]:
+        settings: dict | None = None, log: Path | None = None, models=None) -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
     With ``log``, finished runs are appended there and runs already in it (same ``settings``) are not
-    repeated: an interrupted benchmark resumes, and baseline runs survive a new classifier.
+    repeated: an interrupted benchmark resumes, and baseline runs survive a new classifier. ``models``: a
+    callable returning (target, draft), called the first time a run is missing, in place of ``target`` and
+    ``draft`` (so a table of logged runs is printed without loading any weights).
     """
     from tqdm.auto import tqdm
 
@@ -141,6 +143,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
             key = {**base, **(pivot_extra if spec.policy == "pivot" else {})}
             record = runs.find(key, problem.id, spec.name)
             if record is None:
+                if target is None:
+                    target, draft = models()
                 if ids is None:
                     text = tokenizer.apply_chat_template(tasks.messages(task, problem), tokenize=False,
                                                          add_generation_prompt=True)

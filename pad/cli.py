@@ -91,21 +91,31 @@ def _bench(args) -> int:
     from pathlib import Path
 
     from . import bench, tasks
+    from .registry import load_tokenizer
 
     specs = bench.parse_policies(args.policies)
     tasks.check_task(args.task)
     data = tasks.data_path(args.task, args.split, args.data)
     problems = tasks.load(args.task, args.split, data, limit=args.limit)
     classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
-    target, tokenizer, draft = _load_pair(args)
-    if classifier is not None:
-        classifier.check_target(target)
+    if args.threads:  # before the run log's machine line is taken
+        import torch
+
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.target)
+
+    def models():  # loaded only when a run is missing from the log
+        target, _, draft = _load_pair(args)
+        if classifier is not None:
+            classifier.check_target(target)
+        return target, draft
+
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
     stem = f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "dtype": args.dtype}
-    rows = bench.run(args.task, problems, target, draft, tokenizer, specs, num_draft_tokens=args.num_draft_tokens,
-                     max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor, settings=settings,
+    rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
+                     num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor, settings=settings,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
     command = "pad " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,

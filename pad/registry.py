@@ -187,6 +187,17 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
     return folder
 
 
+def load_tokenizer(name: str, *, cache: Path | None = None):
+    """Resolve ``name`` (fetching the model if needed) and load only its tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = resolve(name, cache=cache)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=Path(path).is_dir())
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load the tokenizer of {name!r} from {path!r}: {e}") from None
+
+
 def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
     """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory."""
     import torch

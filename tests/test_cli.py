@@ -26,7 +26,9 @@ def folders(tmp_path_factory):
     for name, model, vocab in (("target", target, words), ("draft", draft, words),
                                ("other", draft, words[::-1])):
         model.save_pretrained(root / name)
-        _tokenizer(vocab).save_pretrained(root / name)
+        tok = _tokenizer(vocab)
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        tok.save_pretrained(root / name)
     return root
 
 
@@ -102,3 +104,20 @@ def test_dtype_auto_is_resolved_before_loading(folders, monkeypatch):
         assert main(["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
                      "--prompt", "w1 w2", "--max-new-tokens", "4", "-k", "2"]) == 0
         assert seen == [want, want]
+
+
+def test_bench_table_from_its_run_log_loads_no_weights(folders, tmp_path, monkeypatch, capsys):
+    from pad import registry
+
+    args = ["bench", "--task", "gsm8k", "--data", SAMPLE, "--limit", "2", "--policies", "target,exact", "-k", "2",
+            "--max-new-tokens", "6", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+            "--dtype", "float32", "--out", str(tmp_path)]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    monkeypatch.setattr(registry, "load", lambda *a, **k: pytest.fail("weights loaded for logged runs"))
+    assert main(args) == 0
+    table = lambda out: out[out.index("| policy"):out.index("wrote")]  # noqa: E731
+    assert table(capsys.readouterr().out) == table(first)
+    # One more problem: now the models are needed.
+    with pytest.raises(pytest.fail.Exception, match="weights loaded"):
+        main([a if a != "2" else "3" for a in args])
