@@ -176,7 +176,8 @@ def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, flo
         new, seconds = result.sequences[0, ids.shape[1]:].tolist(), s.wall_time
         counts = {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted}
     reply = tokenizer.decode(new, skip_special_tokens=True)
-    return {"correct": bool(tasks.correct(task, problem, reply)), "new_tokens": len(new), "seconds": seconds, **counts}
+    return {"correct": bool(tasks.correct(task, problem, reply)), "new_tokens": len(new), "seconds": seconds, **counts,
+            "reply": reply}  # kept in the run log, so that every accuracy figure can be audited
 
 
 COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acceptance_rate", "acceptance", "{:.1%}"),

@@ -1,4 +1,5 @@
 """pad bench on tiny models: every policy runs on the same problems and the table is consistent."""
+import json
 import math
 from pathlib import Path
 
@@ -53,6 +54,11 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     clean = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
     lines = log.read_text().splitlines()
     assert len(lines) == 9
+    # Each record keeps the reply it was scored on, and the score follows from it.
+    for record in map(json.loads, lines):
+        problem = next(p for p in problems if p.id == record["problem"])
+        assert record["correct"] == tasks.correct("gsm8k", problem, record["reply"])
+        assert len(tok(record["reply"], add_special_tokens=False).input_ids) == record["new_tokens"]
     log.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # killed while writing the sixth record
     real = bench.generate
     calls = []
