@@ -115,7 +115,8 @@ def _bench(args) -> int:
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "dtype": args.dtype}
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
-                     num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens, classifier=classifier, floor=args.floor, settings=settings,
+                     num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                     classifier=classifier, floor=args.floor, settings=settings,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
     command = "pad " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--rollout-batch", type=int, default=16,
                     help="continuations decoded together (pays where a B-token forward is cheap: GPUs, fp32 CPUs)")
     lb.add_argument("--only-draft-wrong", action="store_true",
-                    help="label only problems the draft alone answers wrong (far more pivots per hour)")
+                    help="label only problems the draft alone answers wrong (rollouts where pivots can be)")
     lb.set_defaults(func=_label)
 
     tr = sub.add_parser("train", help="train the pivot classifier on pad label folders")

@@ -10,8 +10,8 @@ greedy token differs from the target's, the text is continued from ``prefix + dr
 - ``rollouts=R``: R continuations per side sampled at ``temperature``.
 
 With ``only_draft_wrong`` a problem is labeled only when the draft decoding alone (greedy, a third of the
-target's cost) answers it wrong: where both models are right, a deviation rarely changes the answer, so
-this finds far more pivots per hour of rollouts. The other problems get an index line with no records.
+target's cost) answers it wrong: where both models are right a deviation rarely changes the answer, so
+this spends the rollouts where pivots can be. The other problems get an index line with no records.
 
 Continuations run as one batch over the decoded text's cache (``pad.rollout.continue_batch``).
 
@@ -49,7 +49,7 @@ class LabelConfig:
     ratio: float = 0.5  # pivot when rate_draft < rate_target * ratio
     keep: float = 0.8  # non-pivot when rate_draft >= keep
     seed: int = 0
-    only_draft_wrong: bool = False  # label only problems the draft alone answers wrong (where pivots live)
+    only_draft_wrong: bool = False  # label only problems the draft alone answers wrong
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
