@@ -1,7 +1,6 @@
 """The drop-in decode function: speculative decoding with exact or pivot-aware acceptance."""
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import time
@@ -13,7 +12,7 @@ import torch
 from pad_kernels import FoldedClassifier, verify_block
 
 from .classifier import PivotClassifier
-from .hf import LayerCapture, crop_cache, eos_ids, shared_vocab_size, vocab_size
+from .hf import LayerCapture, crop_cache, eos_ids, forward_tail, shared_vocab_size, vocab_size
 from .stats import GenerationStats
 
 POLICIES = ("target", "draft", "exact", "pivot")
@@ -35,17 +34,15 @@ class _Decoder:
         self.cache = None
         self.seen = 0
         self.tokens_fed = 0
-        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
         """Feed ``ids`` [1, n] (tokens the cache has not seen); returns logits [1, keep, vocab]."""
         ids = ids.to(self.device)
-        kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        out = forward_tail(self.model, ids, keep, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         self.seen += ids.shape[1]
         self.tokens_fed += ids.shape[1]
-        return out.logits[:, -keep:, : self.vocab]
+        return out.logits[..., : self.vocab]
 
     def crop(self, length: int) -> None:
         """Forget every cached position from ``length`` on (rejected draft tokens)."""

@@ -1,6 +1,8 @@
 """What the decode loop needs from a HuggingFace causal LM, through its public API and hooks only."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 from torch import nn
@@ -103,3 +105,13 @@ def crop_cache(cache, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra if _NEGATIVE_CROP else length)
+
+
+def forward_tail(model, ids: torch.Tensor, keep: int, **kwargs):
+    """``model(ids, **kwargs)`` with logits for the last ``keep`` positions only (computed only there when
+    the model takes ``logits_to_keep``)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:  # the instance's: hooks may wrap it
+        kwargs["logits_to_keep"] = keep
+    out = model(input_ids=ids, **kwargs)
+    out.logits = out.logits[:, -keep:]
+    return out

@@ -23,7 +23,6 @@ in its index, so an interruption loses at most the problem in flight and never d
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import time
@@ -35,7 +34,7 @@ import torch
 
 from . import jsonl
 from .generate import _Decoder, _decode_alone
-from .hf import LayerCapture, eos_ids, shared_vocab_size
+from .hf import LayerCapture, eos_ids, forward_tail, shared_vocab_size
 from .rollout import Start, continue_batch
 from .stats import GenerationStats
 
@@ -80,15 +79,6 @@ def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
     return torch.cat(prob), torch.cat(entropy)
 
 
-def _forward_tail(model, seq: torch.Tensor, keep: int, **kwargs):
-    """model(seq) with logits for the last ``keep`` positions only (all of them if it cannot)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        return model(seq, logits_to_keep=keep, **kwargs)
-    out = model(seq, **kwargs)
-    out.logits = out.logits[:, -keep:]
-    return out
-
-
 @torch.inference_mode()
 def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[list[int]], bool],
                   cfg: LabelConfig, rollout_batch: int = 16) -> dict[str, torch.Tensor]:
@@ -115,13 +105,13 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
     capture = LayerCapture(target, cfg.layer)
     capture.keep = T + 1
     try:
-        out = _forward_tail(target, seq, T + 1, use_cache=True)  # logits of positions P-1 .. P+T-1 only
+        out = forward_tail(target, seq, T + 1, use_cache=True)  # logits of positions P-1 .. P+T-1 only
     finally:
         capture.remove()
     full_cache = out.past_key_values
     hidden = capture.value[0, :T]  # states at positions P-1 .. P+T-2
     t_logits = out.logits[0, :T, :vocab]
-    d_logits = _forward_tail(draft, seq, T + 1).logits[0, :T, :vocab]
+    d_logits = forward_tail(draft, seq, T + 1).logits[0, :T, :vocab]
     new_t = torch.tensor(new)
     draft_tokens = d_logits.argmax(-1)
     token_prob, entropy = _softmax_stats(t_logits, draft_tokens)
