@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from pad import label
 from pad.tasks import Problem
-from tiny import tiny_pair
+from tiny import greedy_from_scratch, tiny_pair
 
 CFG = label.LabelConfig(layer=-1, max_new_tokens=14, max_rollout_tokens=6)
 
@@ -58,9 +58,7 @@ def test_labels_follow_the_rollout_rule(setup, tmp_path, rollouts):
             continue
         t = tensors[problem.id]
         with torch.inference_mode():
-            seq = prompt[0].tolist()
-            for _ in range(int(t["generated"])):
-                seq.append(int(target(torch.tensor([seq])).logits[0, -1, :96].argmax()))
+            seq = prompt[0].tolist() + greedy_from_scratch(target, prompt[0].tolist(), int(t["generated"]))
             logits = [m(torch.tensor([seq])).logits[0, prompt.shape[1] - 1 :, :96].double() for m in (target, draft)]
         pos = t["position"].long()
         d_tok = logits[1][pos].argmax(-1)
@@ -125,17 +123,6 @@ def test_parse_shard():
             label.parse_shard(bad)
 
 
-def _draft_alone(draft, prompt, n, eos):
-    """Reference: greedy draft decoding, a full forward without cache at every step."""
-    ids, out = prompt[0].tolist(), []
-    while len(out) < n:
-        token = int(draft(torch.tensor([ids + out])).logits[0, -1, :96].argmax())
-        out.append(token)
-        if token in eos:
-            break
-    return out
-
-
 def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup, tmp_path):
     from pad.hf import eos_ids
 
@@ -146,7 +133,8 @@ def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup
     label.run(problems, prompts, [utility] * 6, target, draft, tmp_path / "some", cfg, progress=False)
     (all_index, all_tensors), (index, tensors) = _read(tmp_path / "all"), _read(tmp_path / "some")
     with torch.inference_mode():
-        wrong = [not utility(_draft_alone(draft, p, CFG.max_new_tokens, eos_ids(target, None))) for p in prompts]
+        wrong = [not utility(greedy_from_scratch(draft, p[0].tolist(), CFG.max_new_tokens, eos_ids(target, None)))
+                 for p in prompts]
     # The case has power: labeled positions on both sides of the filter.
     assert any(r["records"] for w, r in zip(wrong, all_index) if w)
     assert any(r["records"] for w, r in zip(wrong, all_index) if not w)

@@ -4,18 +4,7 @@ import torch
 from scipy.stats import chisquare
 
 from pad.rollout import Start, continue_batch
-from tiny import ARCHS, tiny_model
-
-
-def _greedy_from_scratch(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
-    """Reference: full forward without any cache at every step."""
-    out = []
-    while len(out) < n:
-        token = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
-        out.append(token)
-        if token in eos:
-            break
-    return out
+from tiny import ARCHS, greedy_from_scratch, tiny_model
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -29,14 +18,14 @@ def test_greedy_rows_equal_decoding_from_scratch(arch):
         tokens = torch.randint(0, 96, (len(lengths),), generator=g).tolist()
         prefix = lambda i: seq[0, : lengths[i]].tolist() + [tokens[i]]  # noqa: E731
         # An EOS the decode really meets mid-row, and one row that starts on an EOS.
-        free = [_greedy_from_scratch(model, prefix(i), 9, set()) for i in range(len(lengths))]
+        free = [greedy_from_scratch(model, prefix(i), 9, set()) for i in range(len(lengths))]
         row, stop = next((i, j) for i in (0, 1, 2, 3, 5) for j in range(1, 9)
                          if free[i][j] not in free[i][:j] and free[i][j] != tokens[i])
         eos = {free[row][stop]}
         tokens[4] = next(iter(eos))
         got = continue_batch(model, cache, [Start(n, t) for n, t in zip(lengths, tokens)], vocab=96,
                              max_new_tokens=9, eos=eos)
-        want = [[] if tokens[i] in eos else _greedy_from_scratch(model, prefix(i), 9, eos) for i in range(len(lengths))]
+        want = [[] if tokens[i] in eos else greedy_from_scratch(model, prefix(i), 9, eos) for i in range(len(lengths))]
         assert got == want
         assert len(got[row]) == stop + 1 and got[4] == []
         # The last rows in the batch meet an EOS together (the batch empties before the token budget).

@@ -40,3 +40,14 @@ NOISE = {"llama": 0.1, "qwen2": 0.1, "gpt2": 0.6}
 def tiny_pair(arch: str = "llama", vocab: int = 96, *, scale: float | None = None, seed: int = 0):
     target = tiny_model(arch, vocab, seed=seed)
     return target, noisy_copy(target, NOISE[arch] if scale is None else scale, seed + 1)
+
+
+def greedy_from_scratch(model, ids: list[int], n: int, eos=()) -> list[int]:
+    """Reference greedy decoding: a full forward without any cache at every step; stops after an EOS."""
+    out = []
+    while len(out) < n:
+        token = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+        out.append(token)
+        if token in eos:
+            break
+    return out
