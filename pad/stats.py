@@ -38,9 +38,11 @@ class GenerationStats:
         }
 
     def summary(self) -> str:
+        drafts = (f"acceptance rate {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}, "
+                  f"{self.pivot_accepted} pivot-accepted)" if self.drafted else "no draft tokens")
+        per_forward = f"{self.mean_accepted_length:.2f}" if self.target_forwards else "n/a"
         return (
             f"{self.new_tokens} new tokens in {self.wall_time:.2f} s ({self.tokens_per_second:.2f} tok/s); "
-            f"acceptance rate {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}, "
-            f"{self.pivot_accepted} pivot-accepted); mean accepted length {self.mean_accepted_length:.2f}; "
+            f"{drafts}; mean accepted length {per_forward}; "
             f"target forwards {self.target_forwards}, draft forwards {self.draft_forwards}"
         )

@@ -43,6 +43,16 @@ def test_generate_prints_text_and_stats(folders, capsys):
     assert out.split()[0].startswith("w")
 
 
+@pytest.mark.parametrize("policy, drafts", [("target", False), ("draft", False), ("exact", True)])
+def test_summary_line_has_no_nan(folders, capsys, policy, drafts):
+    code = main(["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+                 "--prompt", "w1 w2", "--max-new-tokens", "5", "-k", "2", "--dtype", "float32", "--policy", policy])
+    assert code == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("5 new tokens") and "nan" not in summary
+    assert ("acceptance rate" in summary) == drafts and ("no draft tokens" in summary) != drafts
+
+
 def test_mismatched_tokenizers_are_refused(folders, capsys):
     code = main(["generate", "--target", str(folders / "target"), "--draft", str(folders / "other"),
                  "--prompt", "w1", "--dtype", "float32"])
