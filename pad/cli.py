@@ -138,13 +138,13 @@ def _label(args) -> int:
     target, tokenizer, draft = _load_pair(args)
     prompts, utilities = [], []
     for problem in problems:
-        text = tokenizer.apply_chat_template(tasks.messages(args.task, problem), tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids)
+        prompts.append(tasks.prompt_ids(tokenizer, args.task, problem))
         utilities.append(lambda tokens, p=problem: tasks.correct(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True)))
     cfg = label.LabelConfig(layer=args.layer, max_new_tokens=args.max_new_tokens,
                             max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts,
                             only_draft_wrong=args.only_draft_wrong)
-    meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype}
+    meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype,
+            "prompt": tasks.prompt_fingerprint(args.task)}
     if args.rollout_batch < 1:
         raise ValueError("--rollout-batch must be at least 1")
     if args.start < 0:

@@ -81,6 +81,15 @@ def decoder_layers(model) -> nn.ModuleList:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
+def decoder_layer(model, layer: int) -> nn.Module:
+    """Decoder block ``layer`` (Python indexing); a clear ValueError when the model has no such block."""
+    layers = decoder_layers(model)
+    if not -len(layers) <= layer < len(layers):
+        raise ValueError(f"layer {layer} does not exist: the model has {len(layers)} decoder layers "
+                         f"(use {-len(layers)} .. {len(layers) - 1})")
+    return layers[layer]
+
+
 class LayerCapture:
     """Forward hook that keeps the last ``keep`` positions of one decoder block's output.
 
@@ -90,7 +99,7 @@ class LayerCapture:
     def __init__(self, model, layer: int):
         self.keep = 1
         self.value: torch.Tensor | None = None  # [B, keep, H]
-        self._handle = decoder_layers(model)[layer].register_forward_hook(self._hook)
+        self._handle = decoder_layer(model, layer).register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         hidden = output[0] if isinstance(output, (tuple, list)) else output

@@ -34,7 +34,7 @@ import torch
 
 from . import jsonl
 from .generate import _Decoder, _decode_alone
-from .hf import LayerCapture, eos_ids, forward_tail, shared_vocab_size
+from .hf import LayerCapture, decoder_layer, eos_ids, forward_tail, shared_vocab_size
 from .rollout import Start, continue_batch
 from .stats import GenerationStats
 
@@ -209,6 +209,7 @@ def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], 
     summary."""
     from tqdm.auto import tqdm
 
+    decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
     writer = LabelWriter(out_dir, shard, {**(meta or {}), **cfg.__dict__})
     mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
     todo = [i for i in mine if problems[i].id not in writer.done]

@@ -206,14 +206,33 @@ def humaneval_correct(problem: Problem, completion: str, timeout: float = 10.0) 
 
 
 # ----------------------------------------------------------------------------------------- prompts
+# Without it the default (coder) target often answers a word problem with a Python program and then
+# invents the program's printed output, a wrong number more often than not.
+GSM8K_SYSTEM = "You are a careful math tutor. Reason in words and arithmetic only: never write code."
+
+
 def messages(task: str, problem: Problem) -> list[dict]:
     """Chat messages asking for ``problem`` (for ``tokenizer.apply_chat_template``)."""
     check_task(task)
     if task == "gsm8k":
-        return [{"role": "user", "content": problem.question
+        return [{"role": "system", "content": GSM8K_SYSTEM},
+                {"role": "user", "content": problem.question
                  + "\nSolve step by step, then give the final answer as a number after '####'."}]
     return [{"role": "user", "content": "Complete this Python function. Reply with the whole function in one "
              "```python code block.\n\n```python\n" + problem.question + "```"}]
+
+
+def prompt_ids(tokenizer, task: str, problem: Problem):
+    """The chat-formatted prompt of ``problem`` as token ids [1, P]."""
+    text = tokenizer.apply_chat_template(messages(task, problem), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def prompt_fingerprint(task: str) -> str:
+    """A short hash of ``task``'s prompt wording: run logs and label folders record it, so that results
+    made with another prompt are never mixed in."""
+    blank = Problem(id="", question="{question}", reference="", entry_point="{entry_point}")
+    return hashlib.sha256(json.dumps(messages(task, blank)).encode()).hexdigest()[:12]
 
 
 def humaneval_completion(problem: Problem, reply: str) -> str:

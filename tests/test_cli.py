@@ -131,3 +131,20 @@ def test_bench_table_from_its_run_log_loads_no_weights(folders, tmp_path, monkey
     # One more problem: now the models are needed.
     with pytest.raises(pytest.fail.Exception, match="weights loaded"):
         main([a if a != "2" else "3" for a in args])
+
+
+def test_label_folder_of_another_prompt_is_refused(folders, tmp_path, monkeypatch, capsys):
+    from pad import tasks
+
+    argv = ["label", "--task", "gsm8k", "--data", SAMPLE, "--limit", "1", "--max-new-tokens", "4",
+            "--max-rollout-tokens", "4", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+            "--dtype", "float32", "--out", str(tmp_path / "labels")]
+    assert main(argv) == 2  # the default --layer -8 on a 2-layer model
+    assert "layer -8 does not exist: the model has 2 decoder layers" in capsys.readouterr().err
+    argv += ["--layer", "-1"]
+    assert main(argv) == 0
+    assert main(argv) == 0  # same prompt: resumes (nothing left to do)
+    capsys.readouterr()
+    monkeypatch.setattr(tasks, "GSM8K_SYSTEM", tasks.GSM8K_SYSTEM + " Be brief.")
+    assert main(argv) == 2
+    assert "labeled with other settings" in capsys.readouterr().err
