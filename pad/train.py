@@ -154,6 +154,10 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
     return clf, report
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def report_markdown(report: dict) -> str:
     fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}"  # noqa: E731
     meta = report.get("label_meta", {})
@@ -161,9 +165,9 @@ def report_markdown(report: dict) -> str:
         f"Label folders {', '.join(meta.get('folders', []))}: {meta.get('problems_read', 'n/a')} problems read, "
         f"{report['problems']['train'] + report['problems']['heldout']} with labeled positions.",
         "",
-        f"Trained on {report['positions']['train']} labeled positions from {report['problems']['train']} problems "
+        f"Trained on {report['positions']['train']} labeled positions from {_count(report['problems']['train'], 'problem')} "
         f"({report['pivots']['train']} pivots); held out {report['positions']['heldout']} positions from "
-        f"{report['problems']['heldout']} problems ({report['pivots']['heldout']} pivots).",
+        f"{_count(report['problems']['heldout'], 'problem')} ({report['pivots']['heldout']} pivots).",
         "",
         f"Held-out AUROC {fmt(report['heldout_auroc'])}; best held-out loss {report['best_heldout_loss']:.4f} "
         f"after {report['epochs_run']} epochs.",

@@ -62,3 +62,11 @@ def test_bad_inputs(tmp_path):
     label.LabelWriter(tmp_path / "empty", (0, 1), {"target": "t"})
     with pytest.raises(ValueError, match="no labeled positions"):
         train.load_shards([tmp_path / "empty"])
+
+
+def test_report_counts_one_held_out_problem(tmp_path):
+    _planted(tmp_path / "labels", problems=7)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    _, report = train.train(data, meta, train.TrainConfig(epochs=2), progress=False)
+    text = train.report_markdown({**report, "label_meta": meta})
+    assert "from 6 problems (" in text and "from 1 problem (" in text and "7 problems read" in text
