@@ -97,9 +97,9 @@ def _hf_assisted(target, draft, ids, k, max_new_tokens, eos):
 class RunLog:
     """Append-only JSONL of finished (problem, policy) runs, so that a long benchmark survives a kill.
 
-    A record is reused only when its ``settings`` equal this run's (task, prompt fingerprint, models,
-    dtype, K, token budget, machine line, and for pivot policies the classifier's checksum and floor); each
-    line is fsync'd.
+    A record is reused only when its ``settings`` equal this run's (task, prompt fingerprint, utility
+    version, models, dtype, K, token budget, machine line, and for pivot policies the classifier's checksum
+    and floor); each line is fsync'd.
     """
 
     def __init__(self, path: Path | None):
@@ -133,7 +133,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     runs = RunLog(log)
-    base = {**(settings or {}), "task": task, "prompt": tasks.prompt_fingerprint(task), "k": num_draft_tokens,
+    base = {**(settings or {}), "task": task, "prompt": tasks.prompt_fingerprint(task),
+            "utility": tasks.UTILITY_VERSION[task], "k": num_draft_tokens,
             "max_new_tokens": max_new_tokens, "machine": machine_line(with_commit=False)}
     pivot_extra = {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor}
     totals = {s.name: PolicyTotals(counted_forwards=s.policy != "hf-assisted") for s in specs}

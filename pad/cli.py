@@ -144,7 +144,7 @@ def _label(args) -> int:
                             max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts,
                             only_draft_wrong=args.only_draft_wrong)
     meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype,
-            "prompt": tasks.prompt_fingerprint(args.task)}
+            "prompt": tasks.prompt_fingerprint(args.task), "utility": tasks.UTILITY_VERSION[args.task]}
     if args.rollout_batch < 1:
         raise ValueError("--rollout-batch must be at least 1")
     if args.start < 0:

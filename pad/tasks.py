@@ -1,7 +1,8 @@
 """Tasks with checkable answers: data loading, prompts and utility functions (is the answer right?).
 
-- ``gsm8k``: grade-school math; the reference is the number after ``####``; a completion is right when the
-  last number after its last ``####`` (or, failing that, its last number) equals it.
+- ``gsm8k``: grade-school math; the reference is the number after ``####``; a completion is right when its
+  answer equals it: the last number after its last ``####``, else the last number in its last
+  ``\\boxed{...}``, else its last number.
 - ``humaneval``: Python functions; a completion is right when ``prompt + completion + test +
   check(entry_point)`` runs without error in a separate process within a time limit.
 
@@ -26,6 +27,9 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 TASKS = ("gsm8k", "humaneval")
+# Bumped whenever a task's scoring changes (gsm8k 2: a \\boxed{} answer beats later numbers): label
+# folders and benchmark run logs record it, so that answers scored by an older utility are never mixed in.
+UTILITY_VERSION = {"gsm8k": 2, "humaneval": 1}
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 
@@ -158,14 +162,29 @@ def gsm8k_reference(answer: str) -> str:
 
 
 def extract_answer(completion: str) -> Decimal | None:
-    """The model's final number: the last number after the last ``####``, else the last number at all."""
-    tail = completion.split("####")[-1] if "####" in completion else completion
-    numbers = _NUMBER.findall(tail) or (_NUMBER.findall(completion) if "####" in completion else [])
-    for text in reversed(numbers):
-        value = _normalize_number(text)
-        if value is not None:
-            return value
+    """The model's final number: the last number after the last ``####``, else the last number inside the
+    last ``\\boxed{...}`` (chat models often end with one, then restate the question's numbers after it),
+    else the last number at all."""
+    for tail in (completion.split("####")[-1] if "####" in completion else "", _last_boxed(completion),
+                 completion):
+        for text in reversed(_NUMBER.findall(tail)):
+            value = _normalize_number(text)
+            if value is not None:
+                return value
     return None
+
+
+def _last_boxed(text: str) -> str:
+    """The content of the last ``\\boxed{...}`` (nested braces allowed; unclosed: up to the end)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return ""
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return text[i:]
 
 
 def gsm8k_correct(completion: str, reference: str) -> bool:

@@ -75,8 +75,10 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1),
               **{**kwargs, "settings": {"target": "other"}})
     assert sorted(calls) == ["exact"] * 3 + ["pivot"] * 3 + ["target"] * 3
-    # Another prompt wording reruns everything too.
-    calls.clear()
-    monkeypatch.setattr(tasks, "GSM8K_SYSTEM", tasks.GSM8K_SYSTEM + " Be brief.")
-    bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1), **kwargs)
-    assert sorted(calls) == ["exact"] * 3 + ["pivot"] * 3 + ["target"] * 3
+    # Another prompt wording or another version of the utility reruns everything too.
+    for patch in (lambda: monkeypatch.setattr(tasks, "GSM8K_SYSTEM", tasks.GSM8K_SYSTEM + " Be brief."),
+                  lambda: monkeypatch.setitem(tasks.UTILITY_VERSION, "gsm8k", tasks.UTILITY_VERSION["gsm8k"] + 1)):
+        patch()
+        calls.clear()
+        bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1), **kwargs)
+        assert sorted(calls) == ["exact"] * 3 + ["pivot"] * 3 + ["target"] * 3

@@ -133,7 +133,7 @@ def test_bench_table_from_its_run_log_loads_no_weights(folders, tmp_path, monkey
         main([a if a != "2" else "3" for a in args])
 
 
-def test_label_folder_of_another_prompt_is_refused(folders, tmp_path, monkeypatch, capsys):
+def test_label_folder_of_another_prompt_or_utility_is_refused(folders, tmp_path, monkeypatch, capsys):
     from pad import tasks
 
     argv = ["label", "--task", "gsm8k", "--data", SAMPLE, "--limit", "1", "--max-new-tokens", "4",
@@ -145,6 +145,10 @@ def test_label_folder_of_another_prompt_is_refused(folders, tmp_path, monkeypatc
     assert main(argv) == 0
     assert main(argv) == 0  # same prompt: resumes (nothing left to do)
     capsys.readouterr()
-    monkeypatch.setattr(tasks, "GSM8K_SYSTEM", tasks.GSM8K_SYSTEM + " Be brief.")
+    with monkeypatch.context() as m:
+        m.setattr(tasks, "GSM8K_SYSTEM", tasks.GSM8K_SYSTEM + " Be brief.")
+        assert main(argv) == 2
+        assert "labeled with other settings" in capsys.readouterr().err
+    monkeypatch.setitem(tasks.UTILITY_VERSION, "gsm8k", tasks.UTILITY_VERSION["gsm8k"] + 1)
     assert main(argv) == 2
     assert "labeled with other settings" in capsys.readouterr().err

@@ -26,6 +26,13 @@ DATA = Path(__file__).parent / "data"
         ("#### (no number)\nso 15 it is", "15"),  # no number after '####': the last number anywhere
         ("Half is .5 of it", "0.5"),
         ("costs $2.50, and 12.5% tax", "12.5"),
+        # a boxed answer beats numbers restated after it (train/14: the answer is 5 hours, not 120 pages)
+        ("Therefore, it will take Joy \\(\\boxed{5}\\) hours to read 120 pages.", "5"),
+        ("\\[\\boxed{1,200}\\] dollars for 3 weeks", "1200"),
+        ("\\boxed{\\$18} and \\boxed{\\text{she pays } 20 \\text{ dollars}} for 2 days", "20"),  # the last box
+        ("\\boxed{7} but really\n#### 8", "8"),  # '####' beats a box
+        ("\\boxed{no number} so 4 it is", "4"),
+        ("unclosed \\boxed{12 + 3 = 15", "15"),
     ],
 )
 def test_gsm8k_extraction(text, expected):
