@@ -58,7 +58,6 @@ class PolicyTotals:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
-    counted_forwards: bool = True  # False for hf-assisted: transformers does not report them
 
     def add(self, record: dict) -> None:
         self.problems += 1
@@ -79,27 +78,45 @@ class PolicyTotals:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else nan,
             "mean_accepted_length": self.new_tokens / self.target_forwards if self.target_forwards else nan,
             "target_forwards_per_token": (self.target_forwards / self.new_tokens
-                                          if self.counted_forwards and self.new_tokens else nan),
+                                          if self.new_tokens else nan),
             "new_tokens": self.new_tokens,
             "tokens_per_s": tps,
             "speedup_vs_target": tps / target_tps if target_tps and not math.isnan(target_tps) else nan,
         }
 
 
-def _hf_assisted(target, draft, ids, k, max_new_tokens, eos):
-    start = time.perf_counter()
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
-                          max_new_tokens=max_new_tokens, num_assistant_tokens=k,
-                          num_assistant_tokens_schedule="constant", eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
-    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
+# transformers reads the draft length from the assistant's own generation config and ignores it as a
+# generate() argument; its defaults (20 tokens, stop drafting below 0.4 confidence) are another algorithm.
+# The hf-assisted row runs plain speculative decoding at the bench's K, like the exact policy.
+HF_ASSISTED = {"num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+
+
+def _hf_assisted(target, draft, ids, k, max_new_tokens, eos) -> tuple[list[int], float, int]:
+    """transformers' assisted generation at K draft tokens -> (new tokens, seconds, target forwards)."""
+    config = draft.generation_config
+    saved = {key: getattr(config, key, None) for key in ("num_assistant_tokens", *HF_ASSISTED)}
+    forwards = [0]
+    hook = target.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        for key, value in {"num_assistant_tokens": k, **HF_ASSISTED}.items():
+            setattr(config, key, value)
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
+                              max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
+        for key, value in saved.items():
+            setattr(config, key, value)
+    return out[0, ids.shape[1]:].tolist(), seconds, forwards[0]
 
 
 class RunLog:
     """Append-only JSONL of finished (problem, policy) runs, so that a long benchmark survives a kill.
 
     A record is reused only when its ``settings`` equal this run's (task, prompt fingerprint, utility
-    version, models, dtype, K, token budget, machine line, and for pivot policies the classifier's checksum
-    and floor); each line is fsync'd.
+    version, models, dtype, K, token budget, machine line, for pivot policies the classifier's checksum
+    and floor, for hf-assisted its draft-length settings); each line is fsync'd.
     """
 
     def __init__(self, path: Path | None):
@@ -136,13 +153,14 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     base = {**(settings or {}), "task": task, "prompt": tasks.prompt_fingerprint(task),
             "utility": tasks.UTILITY_VERSION[task], "k": num_draft_tokens,
             "max_new_tokens": max_new_tokens, "machine": machine_line(with_commit=False)}
-    pivot_extra = {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor}
-    totals = {s.name: PolicyTotals(counted_forwards=s.policy != "hf-assisted") for s in specs}
+    extra = {"pivot": {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor},
+             "hf-assisted": {"hf_assisted": HF_ASSISTED}}
+    totals = {s.name: PolicyTotals() for s in specs}
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for problem in problems:
         ids = None
         for spec in specs:
-            key = {**base, **(pivot_extra if spec.policy == "pivot" else {})}
+            key = {**base, **extra.get(spec.policy, {})}
             record = runs.find(key, problem.id, spec.name)
             if record is None:
                 if target is None:
@@ -167,7 +185,7 @@ def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, flo
     """One policy on one problem -> the counts a PolicyTotals adds up."""
     counts = {"target_forwards": 0, "drafted": 0, "accepted": 0}
     if spec.policy == "hf-assisted":
-        new, seconds = _hf_assisted(target, draft, ids, k, max_new_tokens, eos)
+        new, seconds, counts["target_forwards"] = _hf_assisted(target, draft, ids, k, max_new_tokens, eos)
     else:
         result = generate(target, draft, ids, policy=spec.policy,
                           classifier=classifier if spec.policy == "pivot" else None, sigma=spec.sigma, floor=floor,

@@ -82,3 +82,26 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
         calls.clear()
         bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1), **kwargs)
         assert sorted(calls) == ["exact"] * 3 + ["pivot"] * 3 + ["target"] * 3
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_hf_assisted_drafts_k_tokens_like_the_exact_policy(k):
+    # With a draft equal to the target every draft token is accepted, so the number of target forwards
+    # shows the draft length transformers used (its own default is 20 tokens, whatever generate() is told).
+    import copy
+
+    import torch
+
+    from pad import generate
+    from tiny import tiny_model
+
+    target = tiny_model("llama")
+    draft = copy.deepcopy(target)
+    draft.generation_config.num_assistant_tokens = 20
+    ids = torch.tensor([[5, 17, 3, 40]])
+    new, seconds, forwards = bench._hf_assisted(target, draft, ids, k, 12, None)
+    ours = generate(target, draft, ids, policy="exact", num_draft_tokens=k, max_new_tokens=12)
+    assert new == ours.sequences[0, 4:].tolist() and len(new) == 12 and seconds > 0
+    assert ours.stats.target_forwards == -(-12 // (k + 1))
+    assert forwards == ours.stats.target_forwards
+    assert draft.generation_config.num_assistant_tokens == 20  # the draft's own settings are restored
