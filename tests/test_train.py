@@ -9,14 +9,17 @@ from pad import label, train
 from pad.cli import main
 
 
-def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a"):
-    """Shards like pad label writes, where the label is a linear function of the hidden state."""
+def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a", random_labels=False):
+    """Shards like pad label writes, where the label is a linear function of the hidden state (or, with
+    ``random_labels``, a coin flip that nothing can predict)."""
     g = torch.Generator().manual_seed(seed)
     writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2})
     direction = torch.randn(H, generator=torch.Generator().manual_seed(123))  # the same plane in every folder
     for i in range(problems):
         hidden = torch.randn(per_problem, H, generator=g) * 3 + 1.0
         labels = (hidden @ direction > direction.sum()).to(torch.int8)
+        if random_labels:
+            labels = (torch.rand(per_problem, generator=g) < 0.3).to(torch.int8)
         writer.write(i, f"{prefix}{i}", {
             "hidden": hidden.half(), "token_prob": torch.rand(per_problem, generator=g).half(),
             "entropy": (torch.rand(per_problem, generator=g) * 5).half(), "label": labels,
@@ -47,11 +50,13 @@ def test_a_problem_in_two_folders_counts_once(tmp_path):
 
 def test_train_cli_writes_classifier_and_report(tmp_path, capsys):
     _planted(tmp_path / "labels")
-    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "10"]) == 0
-    assert "Held-out AUROC" in capsys.readouterr().out
+    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "10", "--folds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Held-out AUROC" in out and "Cross-validated over 3 folds" in out
     clf = pad.PivotClassifier.load(tmp_path / "clf")
     report = json.loads((tmp_path / "clf" / "report.json").read_text())
     assert clf.hidden_size == 16 and len(report["sigmas"]) == 9
+    assert report["cross_validation"]["positions"] == 1000 and report["cross_validation"]["auroc"] > 0.95
     text = (tmp_path / "clf" / "report.md").read_text()
     assert text.startswith("Command: `pad train") and "40 problems read, 40 with labeled positions" in text
 
@@ -70,3 +75,37 @@ def test_report_counts_one_held_out_problem(tmp_path):
     _, report = train.train(data, meta, train.TrainConfig(epochs=2), progress=False)
     text = train.report_markdown({**report, "label_meta": meta})
     assert "from 6 problems (" in text and "from 1 problem (" in text and "7 problems read" in text
+    assert f"at epoch {report['best_epoch']} of {report['epochs_run']} run" in text and "Cross-validated" not in text
+
+
+def test_cross_validation_scores_every_position_once_without_seeing_it(tmp_path, monkeypatch):
+    _planted(tmp_path / "signal", problems=20)
+    data, meta = train.load_shards([tmp_path / "signal"])
+    fits, real_train = [], train.train
+
+    def spy(part, *args, **kwargs):
+        fits.append(set(part["problem"].tolist()))
+        clf, report = real_train(part, *args, **kwargs)
+        scored_before = clf.pivot_prob
+
+        def pivot_prob(hidden, features):  # every position it scores is one it was not trained on
+            assert not any(torch.equal(h, t) for h in hidden for t in part["hidden"].float())
+            return scored_before(hidden, features)
+        clf.pivot_prob = pivot_prob
+        return clf, report
+
+    monkeypatch.setattr(train, "train", spy)
+    cv = train.cross_validate(data, meta, train.TrainConfig(epochs=20), folds=4, progress=False)
+    problems = set(data["problem"].tolist())
+    assert len(fits) == 4 and all(len(f) == 15 for f in fits)
+    assert sorted(p for f in fits for p in problems - f) == sorted(problems)  # each left out exactly once
+    assert cv["positions"] == 500 and cv["pivots"] == int(data["label"].sum())
+    assert cv["auroc"] > 0.97 and len(cv["sigmas"]) == 9
+
+
+def test_cross_validation_bad_folds(tmp_path):
+    _planted(tmp_path / "labels", problems=3)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    for folds in (1, 4):
+        with pytest.raises(ValueError, match="2 <= folds <= problems with labels \\(3\\)"):
+            train.cross_validate(data, meta, folds=folds, progress=False)
