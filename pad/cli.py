@@ -163,9 +163,11 @@ def _train(args) -> int:
 
     data, meta = train.load_shards(args.dirs)
     cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed)
+    folds = min(5, len(data["problem"].unique())) if args.folds is None else args.folds
+    cv = train.cross_validate(data, meta, cfg, folds) if folds else None  # first: a bad --folds fails fast
     clf, report = train.train(data, meta, cfg)
-    if args.folds:
-        report["cross_validation"] = train.cross_validate(data, meta, cfg, args.folds)
+    if cv:
+        report["cross_validation"] = cv
     out = train.save(clf, report, args.out, command="pad " + " ".join(shlex.quote(a) for a in args.argv))
     print(train.report_markdown(report))
     print(f"saved the classifier to {out}")
@@ -233,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--heldout", type=float, default=0.15, help="share of problems held out")
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--folds", type=int, default=5,
-                    help="also report an AUROC cross-validated over this many folds of problems (0: off)")
+    tr.add_argument("--folds", type=int, default=None,
+                    help="also report an AUROC cross-validated over this many folds of problems "
+                         "(default 5, or one per problem when fewer; 0: off)")
     tr.set_defaults(func=_train)
     return parser
 

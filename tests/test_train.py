@@ -9,17 +9,14 @@ from pad import label, train
 from pad.cli import main
 
 
-def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a", random_labels=False):
-    """Shards like pad label writes, where the label is a linear function of the hidden state (or, with
-    ``random_labels``, a coin flip that nothing can predict)."""
+def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a"):
+    """Shards like pad label writes, where the label is a linear function of the hidden state."""
     g = torch.Generator().manual_seed(seed)
     writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2})
     direction = torch.randn(H, generator=torch.Generator().manual_seed(123))  # the same plane in every folder
     for i in range(problems):
         hidden = torch.randn(per_problem, H, generator=g) * 3 + 1.0
         labels = (hidden @ direction > direction.sum()).to(torch.int8)
-        if random_labels:
-            labels = (torch.rand(per_problem, generator=g) < 0.3).to(torch.int8)
         writer.write(i, f"{prefix}{i}", {
             "hidden": hidden.half(), "token_prob": torch.rand(per_problem, generator=g).half(),
             "entropy": (torch.rand(per_problem, generator=g) * 5).half(), "label": labels,
@@ -103,9 +100,16 @@ def test_cross_validation_scores_every_position_once_without_seeing_it(tmp_path,
     assert cv["auroc"] > 0.97 and len(cv["sigmas"]) == 9
 
 
-def test_cross_validation_bad_folds(tmp_path):
+def test_cross_validation_bad_folds(tmp_path, capsys):
     _planted(tmp_path / "labels", problems=3)
     data, meta = train.load_shards([tmp_path / "labels"])
     for folds in (1, 4):
         with pytest.raises(ValueError, match="2 <= folds <= problems with labels \\(3\\)"):
             train.cross_validate(data, meta, folds=folds, progress=False)
+    # The command line checks before it trains anything.
+    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--folds", "4"]) == 2
+    assert "2 <= folds <= problems with labels (3), got 4" in capsys.readouterr().err
+    assert not (tmp_path / "clf").exists()
+    # The default asks for 5 folds, one per problem here; the CLI test above covers an explicit --folds.
+    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "2"]) == 0
+    assert "Cross-validated over 3 folds" in (tmp_path / "clf" / "report.md").read_text()
