@@ -91,13 +91,17 @@ def sigma_table(pivot_prob: torch.Tensor, labels: torch.Tensor) -> list[dict]:
     return rows
 
 
+def _inputs(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labeled positions -> the classifier's inputs: hidden [N, H] and (p_target(token), entropy) [N, 2], fp32."""
+    return data["hidden"].float(), torch.stack([data["token_prob"].float(), data["entropy"].float()], -1)
+
+
 def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bool = True):
     """-> (best PivotClassifier, report dict)."""
     from tqdm.auto import tqdm
 
     torch.manual_seed(cfg.seed)
-    hidden = data["hidden"].float()
-    features = torch.stack([data["token_prob"].float(), data["entropy"].float()], -1)
+    hidden, features = _inputs(data)
     labels = data["label"].long()
     problems = data["problem"].unique()
     g = torch.Generator().manual_seed(cfg.seed)
@@ -177,8 +181,7 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
         except ValueError as e:
             raise ValueError(f"a cross-validation fold cannot be trained ({e}); use fewer folds") from e
         with torch.no_grad():
-            prob[test] = clf.pivot_prob(data["hidden"][test].float(), torch.stack(
-                [data["token_prob"][test].float(), data["entropy"][test].float()], -1))
+            prob[test] = clf.pivot_prob(*_inputs({k: v[test] for k, v in data.items()}))
     labels = data["label"].long()
     return {"folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
             "auroc": auroc(prob, labels), "sigmas": sigma_table(prob, labels)}
