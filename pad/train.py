@@ -183,8 +183,11 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
         with torch.no_grad():
             prob[test] = clf.pivot_prob(*_inputs({k: v[test] for k, v in data.items()}))
     labels = data["label"].long()
+    # What the classifier must beat: each feature alone, as a score over the same positions.
+    baselines = {"1 - p_target(token)": auroc(1 - data["token_prob"].float(), labels),
+                 "entropy": auroc(data["entropy"].float(), labels)}
     return {"folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
-            "auroc": auroc(prob, labels), "sigmas": sigma_table(prob, labels)}
+            "auroc": auroc(prob, labels), "sigmas": sigma_table(prob, labels), "baselines": baselines}
 
 
 def _count(n: int, noun: str) -> str:
@@ -212,7 +215,9 @@ def report_markdown(report: dict) -> str:
         lines += [
             "",
             f"Cross-validated over {cv['folds']} folds of problems (each problem scored by a classifier trained "
-            f"without it): AUROC {fmt(cv['auroc'])} on {cv['positions']} positions ({cv['pivots']} pivots).",
+            f"without it): AUROC {fmt(cv['auroc'])} on {cv['positions']} positions ({cv['pivots']} pivots). "
+            "A single feature as the score, over the same positions: "
+            + ", ".join(f"{name} AUROC {fmt(v)}" for name, v in cv.get("baselines", {}).items()) + ".",
             "",
             *_sigma_lines(cv["sigmas"], fmt),
         ]

@@ -1,6 +1,7 @@
 """PivotClassifier: the folded form scores like the module; save/load round-trips; bad files fail clearly."""
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,27 @@ def test_a_pair_without_a_shipped_classifier_is_told_so():
 def test_checksum_names_the_weights():
     a, b = PivotClassifier(8), PivotClassifier(8)
     assert a.checksum() == a.checksum() != b.checksum()
+
+
+def test_the_classifier_shipped_for_the_default_pair_loads_and_matches_its_labels():
+    from types import SimpleNamespace
+
+    from pad.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
+    from pad.train import load_shards
+
+    folder = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)
+    clf = PivotClassifier.load(folder)
+    clf.check_pair(DEFAULT_TARGET, DEFAULT_DRAFT)
+    clf.check_pair("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct")
+    # Qwen2.5-Coder-1.5B: hidden size 1536, 28 decoder layers.
+    clf.check_target(SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28)))
+    # The report names the command that made it, and its counts are those of the committed label folder.
+    report = json.loads((folder / "report.json").read_text())
+    command = (folder / "report.md").read_text().splitlines()[0]
+    assert command.startswith("Command: `pad train labels/") and f"--out pad/classifiers/{folder.name}`" in command
+    root = Path(__file__).resolve().parents[1]
+    data, meta = load_shards([root / f for f in report["label_meta"]["folders"]])
+    assert report["positions"]["train"] + report["positions"]["heldout"] == len(data["label"])
+    assert report["pivots"]["train"] + report["pivots"]["heldout"] == int(data["label"].sum())
+    assert report["label_meta"]["problems_read"] == meta["problems_read"]
+    assert (meta["target"], meta["draft"]) == (clf.target_model, clf.draft_model)

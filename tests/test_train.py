@@ -98,6 +98,20 @@ def test_cross_validation_scores_every_position_once_without_seeing_it(tmp_path,
     assert sorted(p for f in fits for p in problems - f) == sorted(problems)  # each left out exactly once
     assert cv["positions"] == 500 and cv["pivots"] == int(data["label"].sum())
     assert cv["auroc"] > 0.97 and len(cv["sigmas"]) == 9
+    assert 0.4 < cv["baselines"]["1 - p_target(token)"] < 0.6 and 0.4 < cv["baselines"]["entropy"] < 0.6  # random
+
+
+def test_cross_validation_reports_single_feature_baselines(tmp_path):
+    _planted(tmp_path / "labels", problems=8)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    pivot = data["label"].bool()
+    data["token_prob"] = torch.where(pivot, 0.2, 0.7).half()  # pivots have a low p_target: a perfect score
+    data["entropy"] = torch.where(pivot, 0.5, 3.0).half()  # and a low entropy: perfectly backwards
+    cv = train.cross_validate(data, meta, train.TrainConfig(epochs=2), folds=2, progress=False)
+    assert cv["baselines"] == {"1 - p_target(token)": 1.0, "entropy": 0.0}
+    text = train.report_markdown({**train.train(data, meta, train.TrainConfig(epochs=2), progress=False)[1],
+                                  "label_meta": meta, "cross_validation": cv})
+    assert "1 - p_target(token) AUROC 1.000, entropy AUROC 0.000." in text
 
 
 def test_cross_validation_bad_folds(tmp_path, capsys):
