@@ -230,9 +230,18 @@ def _sigma_lines(rows: list[dict], fmt) -> list[str]:
         for r in rows]
 
 
+def _nan_to_none(value):
+    """NaN (an undefined precision or AUROC) -> None, so that report.json is strict JSON (null)."""
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_to_none(v) for v in value]
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
 def save(clf: PivotClassifier, report: dict, out_dir, command: str | None = None) -> Path:
     out = clf.save(out_dir)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(_nan_to_none(report), indent=2, allow_nan=False) + "\n")
     text = report_markdown(report)
     if command:
         text = f"Command: `{command}`\n\n" + text

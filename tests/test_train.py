@@ -58,6 +58,20 @@ def test_train_cli_writes_classifier_and_report(tmp_path, capsys):
     assert text.startswith("Command: `pad train") and "40 problems read, 40 with labeled positions" in text
 
 
+def test_report_json_is_strict_json(tmp_path):
+    _planted(tmp_path / "labels", problems=7)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    clf, report = train.train(data, meta, train.TrainConfig(epochs=2), progress=False)
+    report["heldout_auroc"] = float("nan")  # as when the held-out problems have one class only
+    train.save(clf, report, tmp_path / "clf")
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    saved = json.loads((tmp_path / "clf" / "report.json").read_text(), parse_constant=refuse)
+    assert saved["heldout_auroc"] is None and "n/a" in (tmp_path / "clf" / "report.md").read_text()
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a pad label folder"):
         train.load_shards([tmp_path])
