@@ -217,7 +217,7 @@ def report_markdown(report: dict) -> str:
             f"Cross-validated over {cv['folds']} folds of problems (each problem scored by a classifier trained "
             f"without it): AUROC {fmt(cv['auroc'])} on {cv['positions']} positions ({cv['pivots']} pivots). "
             "A single feature as the score, over the same positions: "
-            + ", ".join(f"{name} AUROC {fmt(v)}" for name, v in cv.get("baselines", {}).items()) + ".",
+            + ", ".join(f"{name} AUROC {fmt(v)}" for name, v in cv["baselines"].items()) + ".",
             "",
             *_sigma_lines(cv["sigmas"], fmt),
         ]
