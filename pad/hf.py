@@ -25,12 +25,16 @@ def vocab_size(model) -> int:
 
 
 def eos_ids(model, eos_token_id) -> set[int]:
-    """The stop tokens: ``eos_token_id`` (int or list) if given, else the model's generation config."""
+    """The stop tokens, resolved as transformers' ``generate`` resolves them.
+
+    ``eos_token_id`` (int or list) if given, else the model's generation config, even when that says None
+    (then ``generate`` never stops early, so neither do we); the model config only for a model without a
+    generation config.
+    """
     if eos_token_id is None:
         gen = getattr(model, "generation_config", None)
-        eos_token_id = getattr(gen, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(text_config(model), "eos_token_id", None)
+        source = gen if gen is not None else text_config(model)
+        eos_token_id = getattr(source, "eos_token_id", None)
     if eos_token_id is None:
         return set()
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
@@ -116,10 +120,23 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra if _NEGATIVE_CROP else length)
 
 
+# forward function -> whether it takes logits_to_keep; inspect.signature is too slow for every forward.
+_TAKES_LOGITS_TO_KEEP: dict = {}
+
+
+def _takes_logits_to_keep(model) -> bool:
+    # The instance's forward when hooks replaced it (accelerate does), else the class's.
+    forward = model.__dict__.get("forward", type(model).forward)
+    key = getattr(forward, "__func__", forward)
+    if key not in _TAKES_LOGITS_TO_KEEP:
+        _TAKES_LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _TAKES_LOGITS_TO_KEEP[key]
+
+
 def forward_tail(model, ids: torch.Tensor, keep: int, **kwargs):
     """``model(ids, **kwargs)`` with logits for the last ``keep`` positions only (computed only there when
     the model takes ``logits_to_keep``)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:  # the instance's: hooks may wrap it
+    if _takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = keep
     out = model(input_ids=ids, **kwargs)
     out.logits = out.logits[:, -keep:]

@@ -49,3 +49,26 @@ def test_exact_greedy_matches_target_generate(pair, k):
     if k > 1:
         # The cases above must really have exercised an EOS in the middle of a block.
         assert blocks_with_mid_eos > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stop_tokens_resolve_as_transformers_does(arch):
+    """Generation config EOS None, model config EOS set: transformers' generate never stops early, so
+    pad.generate must not either (it used to fall back to the model config's EOS and stop)."""
+    target, draft = tiny_pair(arch)
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(7 + len(arch))
+    stops_early = 0
+    for i in range(6):
+        prompt = torch.randint(0, vocab, (1, 4 + i), generator=g)
+        free = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24,
+                               min_new_tokens=24, pad_token_id=0)
+        target.config.eos_token_id = draft.config.eos_token_id = int(free[0, prompt.shape[1] + 3])
+        assert target.generation_config.eos_token_id is None
+        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                   max_new_tokens=24, pad_token_id=0)
+        got = pad.generate(target, draft, prompt, policy="exact", num_draft_tokens=3, max_new_tokens=24)
+        assert got.sequences.tolist() == expected.tolist(), f"{arch} prompt {i}"
+        stops_early += expected.shape[1] == prompt.shape[1] + 4
+    # The model config's EOS really is the token at position 4: stopping there would have been the bug.
+    assert stops_early == 0 and got.sequences.shape[1] == prompt.shape[1] + 24
