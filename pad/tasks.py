@@ -4,7 +4,8 @@
   answer equals it: the last number after its last ``####``, else the last number in its last
   ``\\boxed{...}``, else its last number.
 - ``humaneval``: Python functions; a completion is right when ``prompt + completion + test +
-  check(entry_point)`` runs without error in a separate process within a time limit.
+  check(entry_point)`` runs without error within a time limit in ``pad.sandbox`` (no network, its own
+  process namespace, resource limits).
 
 Data comes from a JSONL path, else from ``$PAD_DATA``, else from a ``shared/data`` folder beside the
 working directory or the source tree (``<dir>/<task>/<split>.jsonl``), else (HumanEval dev only) from
@@ -17,14 +18,13 @@ import hashlib
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+
+from . import sandbox
 
 TASKS = ("gsm8k", "humaneval")
 # Bumped whenever a task's scoring changes (gsm8k 2: a \\boxed{} answer beats later numbers): label
@@ -193,35 +193,12 @@ def gsm8k_correct(completion: str, reference: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- HumanEval
-# Runs first in the child: no network for the candidate code, bounded memory.
-_GUARD = """\
-import resource, socket
-resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-def _no_network(*args, **kwargs):
-    raise OSError("network access is disabled while checking a completion")
-socket.socket = _no_network
-socket.create_connection = _no_network
-"""
-
-
 def humaneval_correct(problem: Problem, completion: str, timeout: float = 10.0) -> bool:
-    """Run the completion against the problem's tests in a fresh Python process; True if it passes."""
-    program = "\n".join([_GUARD, problem.question + completion, "", problem.reference, "",
-                         f"check({problem.entry_point})", ""])
-    with tempfile.TemporaryDirectory(prefix="pad-humaneval-") as tmp:
-        script = Path(tmp) / "check.py"
-        script.write_text(program)
-        env = {"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0", "HOME": tmp}
-        proc = subprocess.Popen([sys.executable, "-I", str(script)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout) == 0
-        except subprocess.TimeoutExpired:
-            return False
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: children of the candidate too
-                proc.wait()
+    """Run the completion against the problem's tests in the sandbox (``pad.sandbox``: no network, own
+    process namespace, resource limits); True if it passes within ``timeout`` seconds."""
+    program = "\n".join([problem.question + completion, "", problem.reference, "", f"check({problem.entry_point})", ""])
+    result = sandbox.run(program, timeout=timeout)
+    return result.returncode == 0 and not result.timed_out
 
 
 # ----------------------------------------------------------------------------------------- prompts

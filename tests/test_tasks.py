@@ -76,11 +76,6 @@ def test_humaneval_infinite_loop_is_killed(humaneval):
     assert time.monotonic() - start < 6.0
 
 
-def test_humaneval_has_no_network(humaneval):
-    code = "    import socket\n    socket.create_connection(('127.0.0.1', 9))\n    return True\n"
-    assert not tasks.humaneval_correct(humaneval[0], code)
-
-
 def test_humaneval_full_function_reply(humaneval):
     problem = humaneval[0]
     reply = "Here it is:\n```python\n" + problem.question + _canonical(problem) + "```\nDone."
