@@ -15,10 +15,14 @@ from pathlib import Path
 import torch
 
 from . import jsonl, tasks
-from .generate import generate
+from .generate import DECODE_VERSION, generate
 from .machine import machine_line
+from .registry import check_weights
 
 BASE_POLICIES = ("target", "draft", "exact", "hf-assisted")
+# New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
+# on GPUs, kernel compilation stay out of the timings).
+WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -115,8 +119,9 @@ class RunLog:
     """Append-only JSONL of finished (problem, policy) runs, so that a long benchmark survives a kill.
 
     A record is reused only when its ``settings`` equal this run's (task, prompt fingerprint, utility
-    version, models, dtype, K, token budget, machine line, for pivot policies the classifier's checksum
-    and floor, for hf-assisted its draft-length settings); each line is fsync'd.
+    version, decode-path version, models and their weights, dtype, K, token budget, machine line, for
+    pivot policies the classifier's checksum and floor, for hf-assisted its draft-length settings); each
+    line is fsync'd. A log that holds runs of other weights is refused.
     """
 
     def __init__(self, path: Path | None):
@@ -150,12 +155,15 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     runs = RunLog(log)
+    for r in runs.records:
+        check_weights(r["settings"].get("weights") or {}, (settings or {}).get("weights") or {}, f"run log {log}")
     base = {**(settings or {}), "task": task, "prompt": tasks.prompt_fingerprint(task),
-            "utility": tasks.UTILITY_VERSION[task], "k": num_draft_tokens,
+            "utility": tasks.UTILITY_VERSION[task], "decode": DECODE_VERSION, "k": num_draft_tokens,
             "max_new_tokens": max_new_tokens, "machine": machine_line(with_commit=False)}
     extra = {"pivot": {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor},
              "hf-assisted": {"hf_assisted": HF_ASSISTED}}
     totals = {s.name: PolicyTotals() for s in specs}
+    warm = set()  # policies warmed up in this process
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for problem in problems:
         ids = None
@@ -167,6 +175,10 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     target, draft = models()
                 if ids is None:
                     ids = tasks.prompt_ids(tokenizer, task, problem)
+                if spec.name not in warm:
+                    _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor, num_draft_tokens,
+                             min(WARMUP_TOKENS, max_new_tokens), eos, score=False)
+                    warm.add(spec.name)
                 record = _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor,
                                   num_draft_tokens, max_new_tokens, eos)
                 runs.add({"problem": problem.id, "policy": spec.name, "settings": key, **record})
@@ -181,8 +193,10 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     return [totals[s.name].row(s.name, target_tps) for s in specs]
 
 
-def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos) -> dict:
-    """One policy on one problem -> the counts a PolicyTotals adds up."""
+def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
+             score: bool = True) -> dict:
+    """One policy on one problem -> the counts a PolicyTotals adds up (``score=False``: a warm-up, not
+    scored)."""
     counts = {"target_forwards": 0, "drafted": 0, "accepted": 0}
     if spec.policy == "hf-assisted":
         new, seconds, counts["target_forwards"] = _hf_assisted(target, draft, ids, k, max_new_tokens, eos)
@@ -194,7 +208,7 @@ def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, flo
         new, seconds = result.sequences[0, ids.shape[1]:].tolist(), s.wall_time
         counts = {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted}
     reply = tokenizer.decode(new, skip_special_tokens=True)
-    return {"correct": bool(tasks.correct(task, problem, reply)), "new_tokens": len(new), "seconds": seconds, **counts,
+    return {"correct": bool(tasks.correct(task, problem, reply)) if score else None, "new_tokens": len(new), "seconds": seconds, **counts,
             "reply": reply}  # kept in the run log, so that every accuracy figure can be audited
 
 

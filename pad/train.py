@@ -57,7 +57,7 @@ def load_shards(dirs) -> tuple[dict, dict]:
                     t = load_file(str(d / rec["file"]))
                     t["problem"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(rec["problem"].encode())
                     parts.append(t)
-    keys = ("target", "draft", "layer")
+    keys = ("target", "draft", "weights", "layer")
     for m in metas[1:]:
         if any(m.get(k) != metas[0].get(k) for k in keys):
             raise ValueError(f"label folders disagree on {keys}: {metas[0]} vs {m}")
@@ -112,7 +112,7 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
         raise ValueError("the training split needs both pivots and non-pivots")
 
     clf = PivotClassifier(hidden.shape[1], layer=meta.get("layer", -8), target_model=meta.get("target"),
-                          draft_model=meta.get("draft"))
+                          draft_model=meta.get("draft"), weights=meta.get("weights"))
     x = torch.cat([hidden, features], -1)
     with torch.no_grad():
         clf.input_mean.copy_(x[tr].mean(0))

