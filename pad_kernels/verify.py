@@ -130,6 +130,9 @@ def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor,
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but target_logits is on {device}")
+    # Checked on the host for CPU tensors, whatever the backend. On GPU tensors this check would sync the
+    # host, so there the kernels guard instead: an id out of range reads nothing and gets p = NaN, which
+    # no rule accepts (the reference says the same).
     if device.type == "cpu" and K > 0 and (draft_tokens.min() < 0 or draft_tokens.max() >= V):
         raise ValueError(f"draft_tokens must lie in [0, {V})")
 

@@ -68,10 +68,14 @@ def verify_block_ref(
     entropy = entropy_from_logits(logits)  # [B, K+1]
     probs = torch.softmax(logits, -1)  # [B, K+1, V]
     argmax = logits.argmax(-1)  # [B, K+1]; torch returns the first maximal index
-    token_prob = probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    # An id outside [0, V) has p NaN, which no rule accepts (verify_block raises for it on CPU tensors;
+    # on GPU tensors the kernels only avoid reading out of bounds, since a check would sync the host).
+    valid = (draft_tokens >= 0) & (draft_tokens < V)
+    safe = draft_tokens.clamp(0, V - 1)[..., None]
+    token_prob = probs[:, :K].gather(-1, safe).squeeze(-1).masked_fill(~valid, float("nan"))  # [B, K]
 
     if temperature > 0:
-        draft_token_prob = draft_probs.float().gather(-1, draft_tokens[..., None]).squeeze(-1)
+        draft_token_prob = draft_probs.float().gather(-1, safe).squeeze(-1)
         exact_ok = uniforms.float() * draft_token_prob <= token_prob  # u <= min(1, p/q) without a division
     else:
         exact_ok = draft_tokens == argmax[:, :K]

@@ -174,3 +174,34 @@ def test_registered_op_passes_opcheck(backend, temperature):
     logits, drafts, hidden, clf = args
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
     torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws, backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", *FUSED])
+def test_draft_ids_out_of_range_raise_the_same_error(backend):
+    from pad_kernels import verify_block
+
+    logits = torch.randn(2, 4, 50)
+    for bad in (50, 51, -1):
+        drafts = torch.tensor([[1, 2, 3], [4, bad, 6]])
+        with pytest.raises(ValueError, match=r"draft_tokens must lie in \[0, 50\)"):
+            verify_block(logits, drafts, backend=backend)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("backend", FUSED)
+def test_kernels_read_nothing_for_draft_ids_out_of_range(backend, sampling):
+    """Called below the host check (as on GPU tensors, where that check would sync), a kernel reads no
+    memory for an id outside [0, V): its p is NaN and the row stops there, as in the reference."""
+    B, K, V, H = 3, 4, 1271, 16
+    (logits, drafts, hidden, clf), kwargs = make_case(B, K, V, H, torch.float32, sampling, seed=11)
+    drafts[:, :2] = logits[:, :2].argmax(-1)  # two accepted tokens, then an id out of range
+    if sampling:
+        kwargs["uniforms"][:, :2] = 0.0
+    drafts[0, 2], drafts[1, 2], drafts[2, 2] = V, -1, 1 << 40
+    want = verify_block_ref(logits, drafts, hidden, clf, **kwargs)
+    got = run_backend(backend, logits, drafts, hidden, clf, **kwargs)
+    assert torch.isnan(want.token_prob[:, 2]).all() and torch.isnan(got.token_prob[:, 2]).all()
+    assert (got.num_accepted == 2).all() and torch.equal(got.num_accepted, want.num_accepted)
+    for name in ("accepted", "pivot_accepted", "next_token", "argmax"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.token_prob, want.token_prob, equal_nan=True, rtol=1e-5, atol=1e-7)

@@ -88,7 +88,7 @@ void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, cons
       argmax[pos] = s.argmax;
       if (i == K) continue;
       const int64_t d = drafts[b * K + i];
-      const float p = pad::row_prob(s, scaled(x, d, temperature));
+      const float p = pad::in_vocab(d, V) ? pad::row_prob(s, scaled(x, d, temperature)) : NAN;
       token_prob[b * K + i] = p;
       if (has_clf) {
         const float f[kFeatures] = {p, entropy[pos]};

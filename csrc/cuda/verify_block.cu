@@ -49,7 +49,10 @@ __global__ void position_stats_kernel(const T* __restrict__ logits,         // [
   argmax[pos] = t.argmax;
   row_max[pos] = t.max;
   row_sum[pos] = t.sum;
-  if (i < K) token_prob[b * K + i] = pad::row_prob(t, scaled(x, drafts[b * K + i], temperature));
+  if (i < K) {
+    const int64_t d = drafts[b * K + i];
+    token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(t, scaled(x, d, temperature)) : NAN;
+  }
 }
 
 template <typename T, typename H>

@@ -70,10 +70,12 @@ def _position_stats_kernel(
     tl.store(sum_ptr + pos, s)
     if i < K:
         d_tok = tl.load(drafts_ptr + b * K + i)
-        xd = tl.load(row + d_tok).to(tl.float32)
+        valid = (d_tok >= 0) & (d_tok < V)  # an id out of range reads nothing; its p is NaN, never accepted
+        xd = tl.load(row + d_tok, mask=valid, other=0.0).to(tl.float32)
         if SCALED:
             xd = xd / temperature
         p = tl.where(xd == float("-inf"), 0.0, tl.exp(xd - m) / s)
+        p = tl.where(valid, p, float("nan"))
         tl.store(token_prob_ptr + b * K + i, p)
 
 
@@ -133,7 +135,8 @@ def _accept_kernel(
     # 2. The accepted prefix: exact rule, else the pivot override; everything after a rejection is out.
     if SAMPLING:
         u = tl.load(uniforms_ptr + b * K + ks, mask=kmask, other=1.0)
-        qd = tl.load(draft_probs_ptr + (b * K + ks).to(tl.int64) * V + drafts, mask=kmask, other=1.0)
+        qd = tl.load(draft_probs_ptr + (b * K + ks).to(tl.int64) * V + drafts,
+                     mask=kmask & (drafts >= 0) & (drafts < V), other=1.0)
         exact = u * qd <= tp
     else:
         exact = drafts == am

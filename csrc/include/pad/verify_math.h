@@ -106,6 +106,10 @@ PAD_HD float row_entropy(const RowStats& s) {
   return logf(s.sum) - s.sum_dexp / s.sum;
 }
 
+// A draft token id outside [0, V) reads no memory: its p is NaN, which no rule accepts (verify_block
+// raises for CPU tensors before a kernel runs; on a GPU that check would cost a host sync).
+PAD_HD bool in_vocab(int64_t d, int64_t V) { return d >= 0 && d < V; }
+
 // p(v) for a logit x of this position.
 PAD_HD float row_prob(const RowStats& s, float x) {
   return x == -INFINITY ? 0.0f : exp_nonpositive(x - s.max) / s.sum;
@@ -152,7 +156,7 @@ PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts
   bool open = true;
   for (int64_t i = 0; i < K; ++i) {
     const int64_t j = b * K + i, d = drafts[j];
-    const float q = sampling ? draft_probs[j * V + d] : 0.0f;
+    const float q = sampling && in_vocab(d, V) ? draft_probs[j * V + d] : 0.0f;
     const bool exact = exact_accept(sampling, d, argmax[b * (K + 1) + i], sampling ? uniforms[j] : 0.0f, q,
                                     token_prob[j]);
     open = open && (exact || pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]));
