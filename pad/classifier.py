@@ -144,7 +144,7 @@ class PivotClassifier(nn.Module):
             if mine and given and _model_key(mine) != _model_key(given):
                 raise ValueError(
                     f"this classifier was trained for target {self.target_model!r} and draft {self.draft_model!r}, "
-                    f"but the {role} is {given!r}; train one for this pair (pad label, pad train)"
+                    f"but the {role} is {given!r}; train one for this pair (pad-decoding label, then train)"
                 )
 
     def checksum(self) -> str:

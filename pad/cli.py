@@ -1,4 +1,6 @@
-"""Command line: ``pad generate [--target NAME] [--draft NAME] [--classifier DIR] --prompt TEXT``."""
+"""Command line: ``pad-decoding generate [--target NAME] [--draft NAME] [--classifier DIR] --prompt TEXT`` (also
+``python -m pad``). The distribution and its command are named ``pad-decoding``: ``pad`` on the package index
+is an unrelated terminal editor, which installs a ``pad`` command of its own."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +11,7 @@ from .generate import POLICIES
 from .registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+PROG = "pad-decoding"
 
 
 def _set_threads(args) -> None:
@@ -128,7 +131,7 @@ def _bench(args) -> int:
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
-    command = "pad " + " ".join(shlex.quote(a) for a in args.argv)
+    command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
                         args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None)
     print(bench.markdown(rows, head))
@@ -178,14 +181,14 @@ def _train(args) -> int:
     clf, report = train.train(data, meta, cfg)
     if cv:
         report["cross_validation"] = cv
-    out = train.save(clf, report, args.out, command="pad " + " ".join(shlex.quote(a) for a in args.argv))
+    out = train.save(clf, report, args.out, command=f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv))
     print(train.report_markdown(report))
     print(f"saved the classifier to {out}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pad", description="Pivot-aware speculative decoding")
+    parser = argparse.ArgumentParser(prog=PROG, description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
     _add_models(g)
@@ -238,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="label only problems the draft alone answers wrong (rollouts where pivots can be)")
     lb.set_defaults(func=_label)
 
-    tr = sub.add_parser("train", help="train the pivot classifier on pad label folders")
-    tr.add_argument("dirs", nargs="+", help="folders written by pad label")
+    tr = sub.add_parser("train", help="train the pivot classifier on label folders")
+    tr.add_argument("dirs", nargs="+", help="folders written by the label command")
     tr.add_argument("--out", required=True, help="classifier folder to write")
     tr.add_argument("--epochs", type=int, default=60)
     tr.add_argument("--lr", type=float, default=1e-3)
@@ -263,7 +266,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:
-        print(f"pad: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 
 

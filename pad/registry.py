@@ -71,7 +71,7 @@ def shipped_classifier(target: str, draft: str) -> Path:
     folder = Path(__file__).parent / "classifiers" / CLASSIFIERS.get((target, draft), "-")
     if not (folder / "config.json").is_file():
         raise ValueError(f"no classifier ships for target {target!r} and draft {draft!r}; pass --classifier DIR, "
-                         "trained for this pair with pad label and pad train")
+                         "trained for this pair with pad-decoding label and pad-decoding train")
     return folder
 
 

@@ -152,3 +152,16 @@ def test_label_folder_of_another_prompt_or_utility_is_refused(folders, tmp_path,
     monkeypatch.setitem(tasks.UTILITY_VERSION, "gsm8k", tasks.UTILITY_VERSION["gsm8k"] + 1)
     assert main(argv) == 2
     assert "labeled with other settings" in capsys.readouterr().err
+
+
+def test_distribution_and_command_are_named_pad_decoding():
+    """``pad`` on the package index is an unrelated editor with a ``pad`` command: ours is pad-decoding."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    dist = importlib.metadata.distribution("pad-decoding")
+    scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
+    assert scripts == {"pad-decoding": "pad.cli:main"}
+    out = subprocess.run([sys.executable, "-m", "pad", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: pad-decoding")

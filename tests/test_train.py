@@ -55,7 +55,7 @@ def test_train_cli_writes_classifier_and_report(tmp_path, capsys):
     assert clf.hidden_size == 16 and len(report["sigmas"]) == 9
     assert report["cross_validation"]["positions"] == 1000 and report["cross_validation"]["auroc"] > 0.95
     text = (tmp_path / "clf" / "report.md").read_text()
-    assert text.startswith("Command: `pad train") and "40 problems read, 40 with labeled positions" in text
+    assert text.startswith("Command: `pad-decoding train") and "40 problems read, 40 with labeled positions" in text
 
 
 def test_report_json_is_strict_json(tmp_path):
