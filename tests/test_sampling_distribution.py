@@ -109,3 +109,16 @@ def test_generate_samples_like_the_target(small_vocab_pair, monkeypatch):
     assert _p_value(_generated_pairs(target, draft, prompt, 20_000), joint) > ALPHA
     monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
     assert _p_value(_generated_pairs(target, draft, prompt, 20_000, backend="torch"), joint) < ALPHA
+
+
+def test_no_top_p_work_when_top_p_is_one(monkeypatch):
+    from pad.generate import sampling_probs, warp_logits
+
+    logits = torch.randn(2, 50)
+    assert warp_logits(logits, 0.7, 1.0) is logits
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("top-p sorted the vocabulary although top_p is 1")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    torch.testing.assert_close(sampling_probs(logits, 0.7, 1.0), torch.softmax(logits / 0.7, -1))
