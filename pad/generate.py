@@ -12,7 +12,8 @@ import torch
 from pad_kernels import FoldedClassifier, verify_block
 
 from .classifier import PivotClassifier
-from .hf import LayerCapture, crop_cache, eos_ids, forward_tail, shared_vocab_size, vocab_size
+from .decoder import Decoder, left_pad
+from .hf import LayerCapture, eos_ids, shared_vocab_size, vocab_size
 from .stats import GenerationStats
 
 POLICIES = ("target", "draft", "exact", "pivot")
@@ -23,35 +24,10 @@ DECODE_VERSION = 2
 
 @dataclass
 class GenerationResult:
-    sequences: torch.Tensor  # [1, P + N] int64: the prompt as given, then the new tokens
-    stats: GenerationStats
-
-
-class _Decoder:
-    """One model and its KV cache; ``seen`` is how many tokens of the sequence the cache holds."""
-
-    def __init__(self, model, vocab: int):
-        self.model = model
-        self.vocab = vocab
-        self.device = next(model.parameters()).device
-        self.cache = None
-        self.seen = 0
-        self.tokens_fed = 0
-
-    def forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
-        """Feed ``ids`` [1, n] (tokens the cache has not seen); returns logits [1, keep, vocab]."""
-        ids = ids.to(self.device)
-        out = forward_tail(self.model, ids, keep, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
-        self.seen += ids.shape[1]
-        self.tokens_fed += ids.shape[1]
-        return out.logits[..., : self.vocab]
-
-    def crop(self, length: int) -> None:
-        """Forget every cached position from ``length`` on (rejected draft tokens)."""
-        if self.seen > length:
-            crop_cache(self.cache, length)
-            self.seen = length
+    sequences: torch.Tensor  # [B, P + N] int64: the input as given, then each row's new tokens, right-padded
+    stats: GenerationStats  # summed over rows (wall time and tokens/s: of the whole call)
+    lengths: torch.Tensor | None = None  # [B] int64: new tokens per row, its EOS included
+    row_stats: list[GenerationStats] | None = None  # one per row
 
 
 def warp_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -93,25 +69,37 @@ def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_toke
         raise ValueError("policy 'pivot' needs a classifier (or sigma=0, which is the exact policy)")
 
 
-def _prompt(input_ids, attention_mask) -> torch.Tensor:
-    """The prompt as [1, P] int64 without left padding; raises for batches, empty prompts, bad masks."""
+def _prompts(input_ids, attention_mask) -> tuple[torch.Tensor, list[list[int]]]:
+    """(input_ids as [B, P] int64, each row's tokens without its left padding); raises for bad shapes,
+    right padding, rows of only padding and empty prompts."""
     ids = torch.as_tensor(input_ids)
     if ids.dim() == 1:
         ids = ids[None]
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be integer token ids of shape [1, P], got {ids.dtype} {tuple(ids.shape)}")
-    if ids.shape[0] != 1:
-        raise ValueError(f"batch size {ids.shape[0]} is not supported yet: pad.generate decodes one sequence at a time")
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[0] == 0:
+        raise ValueError(f"input_ids must be integer token ids of shape [B, P], got {ids.dtype} {tuple(ids.shape)}")
     ids = ids.long()
-    if attention_mask is not None:
-        mask = torch.as_tensor(attention_mask, device=ids.device).reshape(ids.shape).bool()[0]
-        first = int(mask.long().argmax()) if mask.any() else ids.shape[1]
-        if not mask[first:].all():
-            raise ValueError("attention_mask must be ones after optional left padding (right padding is not supported)")
-        ids = ids[:, first:]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
-    return ids
+    if attention_mask is None:
+        return ids, ids.tolist()
+    mask = torch.as_tensor(attention_mask)
+    if mask.dim() == 1 and ids.shape[0] == 1:
+        mask = mask[None]
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (tokens)")
+    mask = mask.bool().cpu()
+    rows = []
+    for i, (row, m) in enumerate(zip(ids.tolist(), mask)):
+        if not m.any():
+            raise ValueError(f"row {i} of the batch is only padding: give every row at least one token")
+        first = int(m.long().argmax())
+        if not m[first:].all():
+            raise ValueError(f"row {i}: attention_mask must be ones after optional left padding "
+                             "(right padding is not supported: pad on the left)")
+        rows.append(row[first:])
+    return ids, rows
 
 
 def _load_classifier(classifier, target) -> PivotClassifier | None:
@@ -139,6 +127,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     eos_token_id=None,
+    pad_token_id: int | None = None,
     attention_mask=None,
     seed: int | None = None,
     backend: str | None = None,
@@ -146,58 +135,130 @@ def generate(
 ) -> GenerationResult:
     """Decode with a draft/target pair of HuggingFace causal LMs that share a tokenizer.
 
-    input_ids: [1, P] or [P] prompt token ids (one sequence; left padding allowed via attention_mask).
+    input_ids: [B, P] (or [P]) prompt token ids, left-padded as ``attention_mask`` [B, P] says (1 = token).
+    Every row decodes exactly as it would alone: each row accepts its own prefix of each block, and rows
+    that finish (EOS or budget) leave the batch.
     policy: ``"target"`` (target alone), ``"draft"`` (draft alone), ``"exact"`` (standard speculative
     decoding, output distributed exactly as the target's), ``"pivot"`` (also accept a rejected draft token
     when ``pivot_prob <= sigma`` and ``p_target(token) >= floor``); None means ``"pivot"`` when a classifier
     is given, else ``"exact"``. classifier: a ``PivotClassifier`` or the folder it was saved to.
     temperature 0 is greedy; > 0 samples (with top_p), reproducibly when ``seed`` is set.
+    pad_token_id: fills the rows that end before the longest (default: the target's generation config,
+    else its first EOS id).
     backend: verification backend (see ``pad_kernels.verify_block``).
-    callback: called as ``callback(tokens, stats)`` after every block with the token ids it committed
-    (for streaming); both caches are cropped to the committed tokens by then.
-    Returns ``GenerationResult(sequences [1, P + N], stats)``.
+    callback: called after every block as ``callback(tokens, stats)`` with the token ids it committed (for
+    streaming): at B = 1 a list of ids, at B > 1 a list of B such lists (empty for rows that committed
+    nothing); both caches are cropped to the committed tokens by then.
+    Returns ``GenerationResult(sequences [B, P + N], stats, lengths [B], row_stats)``.
     """
     policy = policy if policy is not None else ("pivot" if classifier is not None else "exact")
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
-    prompt = _prompt(input_ids, attention_mask)
+    ids, prompts = _prompts(input_ids, attention_mask)
     if draft is None and policy != "target":
         raise ValueError(f"policy {policy!r} needs a draft model")
     if target is None and policy != "draft":
         raise ValueError(f"policy {policy!r} needs a target model")
-    vocab = shared_vocab_size(target, draft) if target is not None and draft is not None else vocab_size(target if target is not None else draft)
-    if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
+    main = target if target is not None else draft
+    vocab = shared_vocab_size(target, draft) if target is not None and draft is not None else vocab_size(main)
+    if any(t < 0 or t >= vocab for row in prompts for t in row):
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     clf = _load_classifier(classifier, target) if policy == "pivot" else None
     for m in (target, draft):
         if m is not None and m.training:
             warnings.warn(f"{type(m).__name__} is in training mode (dropout active); call .eval() first", stacklevel=2)
+    eos = eos_ids(main, eos_token_id)
+    pad = _pad_id(main, pad_token_id, eos)
 
-    stats = GenerationStats(prompt_tokens=prompt.shape[1])
+    rows = [GenerationStats(prompt_tokens=len(p)) for p in prompts]
     gen = None
     if temperature > 0:
-        device = next((target if target is not None else draft).parameters()).device
-        gen = torch.Generator(device=device)
+        gen = torch.Generator(device=next(main.parameters()).device)
         if seed is not None:
             gen.manual_seed(seed)
         else:
             gen.seed()
-    eos = eos_ids(target if target is not None else draft, eos_token_id)
-    start = time.perf_counter()
+    run = _Run(prompts, rows, max_new_tokens, eos, callback, ids.shape[0] == 1, time.perf_counter())
     with torch.inference_mode():
         if policy in ("target", "draft"):
-            new = _decode_alone(
-                _Decoder(target if policy == "target" else draft, vocab), prompt, policy, stats,
-                max_new_tokens, temperature, top_p, eos, gen, backend, callback,
-            )
+            _decode_alone(Decoder(main if policy == "target" else draft, vocab, len(prompts)), run, policy,
+                          temperature, top_p, gen, backend)
         else:
-            new = _decode_speculative(
-                _Decoder(target, vocab), _Decoder(draft, vocab), prompt, clf, stats, num_draft_tokens,
-                sigma if clf is not None else 0.0, floor, max_new_tokens, temperature, top_p, eos, gen, backend,
-                callback,
-            )
-    stats.wall_time = time.perf_counter() - start
-    sequences = torch.cat([torch.as_tensor(input_ids).reshape(1, -1).long().cpu(), torch.tensor([new], dtype=torch.long)], 1)
-    return GenerationResult(sequences=sequences.to(prompt.device), stats=stats)
+            _decode_speculative(Decoder(target, vocab, len(prompts)), Decoder(draft, vocab, len(prompts)), run, clf,
+                                num_draft_tokens, sigma if clf is not None else 0.0, floor, temperature, top_p, gen,
+                                backend)
+    stats = run.total()
+    lengths = torch.tensor([len(n) for n in run.new], dtype=torch.long)
+    tail = torch.full((len(prompts), int(lengths.max()) if len(lengths) else 0), pad, dtype=torch.long)
+    for i, n in enumerate(run.new):
+        tail[i, : len(n)] = torch.tensor(n, dtype=torch.long)
+    sequences = torch.cat([ids.cpu(), tail], 1).to(ids.device)
+    return GenerationResult(sequences=sequences, stats=stats, lengths=lengths, row_stats=rows)
+
+
+def _pad_id(model, pad_token_id, eos: set[int]) -> int:
+    """``pad_token_id``, else the generation config's pad token, else its first EOS id. Without any stop
+    token every row runs to the same budget, so nothing is padded and 0 serves."""
+    config = getattr(model, "generation_config", None)
+    for candidate in (pad_token_id, getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return min(eos) if eos else 0
+
+
+class _Run:
+    """Per-row state of one call: the new tokens, stats and budget of each row, and the live rows."""
+
+    def __init__(self, prompts, rows, max_new_tokens, eos, callback, single, start):
+        self.prompts = prompts
+        self.new = [[] for _ in prompts]
+        self.rows = rows
+        self.live = list(range(len(prompts)))  # batch row j is row live[j] of the call
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.callback = callback
+        self.single = single
+        self.start = start
+        self._block: list[list[int]] = []
+
+    def budget(self, r: int) -> int:
+        return self.max_new_tokens - len(self.new[r])
+
+    def commit(self, r: int, tokens: list[int]) -> tuple[list[int], bool]:
+        """Commit row r's tokens cut at its budget and after an EOS; returns (kept, finished)."""
+        kept, done = _commit(tokens, self.budget(r), self.eos)
+        self.new[r] += kept
+        self.rows[r].new_tokens = len(self.new[r])
+        if self.callback is not None:
+            self._block.append((r, kept))
+        if done:
+            self.rows[r].wall_time = time.perf_counter() - self.start
+        return kept, done
+
+    def end_block(self, finished: list[int]) -> list[int]:
+        """Call the callback, drop finished batch rows (indices into ``live``); returns the kept indices."""
+        if self.callback is not None:
+            if self.single:
+                self.callback(self._block[0][1] if self._block else [], self.rows[0])
+            else:
+                by_row = [[] for _ in self.new]
+                for r, kept in self._block:
+                    by_row[r] = kept
+                self.callback(by_row, self.total())
+            self._block = []
+        keep = [j for j in range(len(self.live)) if j not in set(finished)]
+        self.live = [self.live[j] for j in keep]
+        return keep
+
+    def total(self) -> GenerationStats:
+        total = GenerationStats()
+        for s in self.rows:
+            for name in ("target_forwards", "draft_forwards", "drafted", "accepted", "pivot_accepted", "new_tokens",
+                         "prompt_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.wall_time = time.perf_counter() - self.start
+        return total
 
 
 def _commit(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -209,11 +270,11 @@ def _commit(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], b
     return tokens, len(tokens) == budget
 
 
-def _random_draws(gen, shape_k, vocab, device):
+def _random_draws(gen, rows, shape_k, vocab, device):
     if gen is None:
         return None, None
-    uniforms = torch.rand((1, shape_k), generator=gen, device=device)
-    exponentials = torch.empty((1, vocab), device=device).exponential_(generator=gen)
+    uniforms = torch.rand((rows, shape_k), generator=gen, device=device)
+    exponentials = torch.empty((rows, vocab), device=device).exponential_(generator=gen)
     return uniforms, exponentials
 
 
@@ -223,68 +284,78 @@ def _nonfinite_error(block: int) -> FloatingPointError:
     )
 
 
-def _decode_alone(dec, prompt, policy, stats, max_new_tokens, temperature, top_p, eos, gen, backend,
-                  callback) -> list[int]:
-    """Autoregressive decoding with one model (the target or draft policy)."""
-    seq, new = prompt.to(dec.device), []
-    no_drafts = torch.empty((1, 0), dtype=torch.long, device=dec.device)
-    while len(new) < max_new_tokens:
-        logits = warp_logits(dec.forward(seq[:, dec.seen :], keep=1), temperature, top_p)
-        uniforms, exponentials = _random_draws(gen, 0, dec.vocab, dec.device)
+def _decode_alone(dec, run, policy, temperature, top_p, gen, backend) -> None:
+    """Autoregressive decoding with one model (the target or draft policy), all live rows at once."""
+    pending = [list(p) for p in run.prompts]  # committed tokens the model has not seen, per batch row
+    steps = 0
+    while run.live:
+        b = len(run.live)
+        ids, fed = left_pad(pending, dec.device)
+        logits = warp_logits(dec.forward(ids, fed, keep=1), temperature, top_p)
+        uniforms, exponentials = _random_draws(gen, b, 0, dec.vocab, dec.device)
         res = verify_block(
-            logits, no_drafts, temperature=temperature, uniforms=uniforms, exponentials=exponentials,
-            draft_probs=logits.new_zeros((1, 0, dec.vocab), dtype=torch.float32) if gen is not None else None,
+            logits, torch.empty((b, 0), dtype=torch.long, device=dec.device), temperature=temperature,
+            uniforms=uniforms, exponentials=exponentials,
+            draft_probs=logits.new_zeros((b, 0, dec.vocab), dtype=torch.float32) if gen is not None else None,
             backend=backend,
         )
-        token, bad = torch.stack([res.next_token[0], ~torch.isfinite(res.entropy).all()]).tolist()
+        host = torch.cat([res.next_token, (~torch.isfinite(res.entropy).all()).long()[None]]).tolist()
+        tokens, bad = host[:b], host[b]
         if bad:
-            raise _nonfinite_error(len(new))
-        if policy == "target":
-            stats.target_forwards += 1
-        else:
-            stats.draft_forwards += 1
-        kept, done = _commit([token], max_new_tokens - len(new), eos)
-        new += kept
-        stats.new_tokens = len(new)
-        seq = torch.cat([seq, res.next_token[:, None]], 1)  # stays on the device: no copy back
-        if callback is not None:
-            callback(kept, stats)
-        if done:
-            break
-    return new
+            raise _nonfinite_error(steps)
+        steps += 1
+        finished = []
+        for j, r in enumerate(run.live):
+            if policy == "target":
+                run.rows[r].target_forwards += 1
+            else:
+                run.rows[r].draft_forwards += 1
+            if run.commit(r, [tokens[j]])[1]:
+                finished.append(j)
+        pending = [[t] for t in tokens]
+        keep = run.end_block(finished)
+        if finished and run.live:
+            dec.select(keep)
+            pending = [pending[j] for j in keep]
 
 
-def _decode_speculative(tgt, drf, prompt, clf, stats, num_draft_tokens, sigma, floor, max_new_tokens,
-                        temperature, top_p, eos, gen, backend, callback) -> list[int]:
-    """Draft K tokens, verify them in one target forward, accept a prefix, commit, crop both caches."""
+def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temperature, top_p, gen,
+                        backend) -> None:
+    """Draft K tokens for every live row, verify all rows in one target forward, accept a prefix per row,
+    commit, mark each row's rejected columns as holes, drop finished rows."""
     folded: FoldedClassifier | None = clf.fold().to(tgt.device) if clf is not None else None
     capture = LayerCapture(tgt.model, clf.layer) if clf is not None else None
-    seq, new = prompt.to(tgt.device), []
+    # Committed tokens each model has not seen yet, per batch row (first: the whole prompt).
+    pend_t, pend_d = [list(p) for p in run.prompts], [list(p) for p in run.prompts]
+    blocks = 0
     try:
-        while len(new) < max_new_tokens:
-            # Never draft past the budget: k drafts and one correction/bonus token make at most k + 1.
-            k = min(num_draft_tokens, max_new_tokens - len(new))
+        while run.live:
+            b = len(run.live)
+            # Never draft past the largest budget: k drafts and one correction/bonus token make at most k + 1.
+            k = min(num_draft_tokens, max(run.budget(r) for r in run.live))
 
-            # 1. Draft: k tokens autoregressively; the first forward also feeds committed tokens it lacks.
-            ids, drafts, draft_probs = seq[:, drf.seen :], [], []
+            # 1. Draft: k tokens autoregressively; the first forward also feeds the committed tokens it lacks.
+            ids, fed = left_pad(pend_d, drf.device)
+            drafts, draft_probs = [], []
             for _ in range(k):
-                logits = drf.forward(ids, keep=1)[:, -1]  # [1, V]
+                logits = drf.forward(ids, fed, keep=1)[:, -1]  # [b, V]
                 if gen is not None:
                     q = sampling_probs(logits, temperature, top_p).to(tgt.device)  # the generator's device
                     ids = torch.multinomial(q, 1, generator=gen)
                     draft_probs.append(q)
                 else:
                     ids = logits.argmax(-1, keepdim=True)
+                fed = torch.ones((b, 1), dtype=torch.bool)
                 drafts.append(ids)
-            stats.draft_forwards += k
-            draft_tokens = torch.cat(drafts, 1).to(tgt.device)  # [1, k]
+            draft_tokens = torch.cat(drafts, 1).to(tgt.device)  # [b, k]
 
-            # 2. Verify: one target forward over [unseen committed..., d_1..d_k], then the fused op.
+            # 2. Verify: one target forward over [unseen committed..., d_1..d_k] of every row, then the fused op.
+            ids, fed = left_pad(pend_t, tgt.device)
             if capture is not None:
                 capture.keep = k + 1
-            target_logits = tgt.forward(torch.cat([seq[:, tgt.seen :], draft_tokens], 1), keep=k + 1)
-            stats.target_forwards += 1
-            uniforms, exponentials = _random_draws(gen, k, tgt.vocab, tgt.device)
+            target_logits = tgt.forward(torch.cat([ids, draft_tokens], 1),
+                                        torch.cat([fed, torch.ones((b, k), dtype=torch.bool)], 1), keep=k + 1)
+            uniforms, exponentials = _random_draws(gen, b, k, tgt.vocab, tgt.device)
             res = verify_block(
                 warp_logits(target_logits, temperature, top_p), draft_tokens,
                 capture.value if capture is not None else None, folded,
@@ -295,32 +366,45 @@ def _decode_speculative(tgt, drf, prompt, clf, stats, num_draft_tokens, sigma, f
 
             # 3. Accept: the block's only device-to-host sync.
             bad = (~torch.isfinite(res.entropy).all()).long()[None]
-            host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted[0].long(), draft_tokens[0]])
-            n, token, bad, *rest = host.tolist()
+            host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted.long().flatten(),
+                              draft_tokens.flatten()]).tolist()
+            accepted, tokens, bad = host[:b], host[b : 2 * b], host[2 * b]
             if bad:
-                raise _nonfinite_error(stats.target_forwards - 1)
-            pivot_flags, drafted = rest[:k], rest[k:]
+                raise _nonfinite_error(blocks)
+            pivot_flags = [host[2 * b + 1 + j * k : 2 * b + 1 + (j + 1) * k] for j in range(b)]
+            drafted = [host[2 * b + 1 + b * k + j * k : 2 * b + 1 + b * k + (j + 1) * k] for j in range(b)]
+            blocks += 1
 
-            # 4. Commit, then crop both caches to the committed tokens they hold (the last one is unseen).
-            kept, done = _commit(drafted[:n] + [token], max_new_tokens - len(new), eos)
-            new += kept
-            stats.new_tokens = len(new)
-            # Built from device tensors (a host list would be another synchronizing copy on GPUs).
-            block = torch.cat([draft_tokens[:, :n], res.next_token[:, None]], 1)
-            seq = torch.cat([seq, block[:, : len(kept)]], 1)
-            tgt.crop(seq.shape[1] - 1)
-            drf.crop(seq.shape[1] - 1)
-
-            # 5. Stats: count only draft tokens that were committed.
-            committed_drafts = min(n, len(kept))
-            stats.drafted += k
-            stats.accepted += committed_drafts
-            stats.pivot_accepted += sum(pivot_flags[:committed_drafts])
-            if callback is not None:
-                callback(kept, stats)
-            if done:
-                break
+            # 4. Commit each row's accepted prefix and its correction/bonus token; the columns of its rejected
+            # drafts become holes (the target fed [last, d_1..d_k], the draft d_1..d_{k-1} last).
+            t_holes = torch.zeros((b, k + 1), dtype=torch.bool)
+            d_holes = torch.zeros((b, k - 1), dtype=torch.bool)
+            finished = []
+            for j, r in enumerate(run.live):
+                n = accepted[j]
+                kept, done = run.commit(r, drafted[j][:n] + [tokens[j]])
+                c = len(kept)  # n + 1 unless an EOS or the budget cut the block short
+                t_holes[j, c:] = True
+                d_holes[j, min(n, c - 1) :] = True
+                pend_t[j] = [tokens[j]]
+                pend_d[j] = drafted[j][k - 1 :] + [tokens[j]] if n == k else [tokens[j]]
+                # 5. Stats: count only draft tokens that were committed.
+                s = run.rows[r]
+                committed_drafts = min(n, len(kept))
+                s.target_forwards += 1
+                s.draft_forwards += k
+                s.drafted += k
+                s.accepted += committed_drafts
+                s.pivot_accepted += sum(pivot_flags[j][:committed_drafts])
+                if done:
+                    finished.append(j)
+            tgt.drop(t_holes)
+            drf.drop(d_holes)
+            keep = run.end_block(finished)
+            if finished and run.live:  # finished rows leave the batch
+                tgt.select(keep)
+                drf.select(keep)
+                pend_t, pend_d = [pend_t[j] for j in keep], [pend_d[j] for j in keep]
     finally:
         if capture is not None:
             capture.remove()
-    return new

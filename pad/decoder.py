@@ -1,0 +1,113 @@
+"""One model, its KV cache and the columns of that cache each row of a batch attends to.
+
+Rows of a batch commit different numbers of tokens per block, so their cached lengths become ragged. Two
+ways keep such a batch in one cache without re-prefill: (a) keep the cache rectangular and mask the
+columns a row must not see (left padding, rejected draft tokens) with a 2D attention mask plus explicit
+position ids, compacting now and then; (b) unpad and re-left-pad every row after every block, a copy of
+the whole cache per block. We use (a): a block then costs no copy at all; rejected columns that every row
+shares at the end are cropped at once (so at B = 1 no hole ever exists and a forward takes no mask, as
+before), and the rest are gathered out by ``compact`` only when holes fill half of the cache, so attention
+runs over at most about twice the live columns, a small part of a forward that is dominated by reading
+the weights, where (b) would copy the whole cache every block (``bench/forward_cost.py --batch`` measures
+both on real weights; the figures are in ``bench/README.md``).
+
+Models are used through their public API only: ``attention_mask`` (2D, one entry per cache column plus
+the new tokens), ``position_ids`` (each row's own positions) and transformers' ``DynamicCache``
+(``crop``, ``batch_select_indices``, and its layers' ``keys`` / ``values`` for compaction).
+"""
+from __future__ import annotations
+
+import torch
+
+from .hf import crop_cache, forward_tail
+
+# Compact when holes exceed this share of the cache's cells (and the cache is wider than 16 columns).
+COMPACT_AT = 0.5
+
+
+def left_pad(rows: list[list[int]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [B, T] on ``device``, fed [B, T] bool on the host): right-aligned, holes (``pad``,
+    False) in front."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    fed = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            fed[i, width - len(r):] = True
+    return ids.to(device), fed
+
+
+class Decoder:
+    """A model with a KV cache of B rows; ``valid`` [B, S] says which cache columns each row attends to.
+
+    ``valid`` lives on the model's device (masks and positions are built there) and mirrored on the host
+    (``valid_host``), where crop and compaction are decided without a device-to-host sync.
+    """
+
+    def __init__(self, model, vocab: int, rows: int):
+        self.model = model
+        self.vocab = vocab
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.valid_host = torch.zeros((rows, 0), dtype=torch.bool)  # [B, S]
+        self.valid = self.valid_host.to(self.device)
+        self.tokens_fed = torch.zeros(rows, dtype=torch.long)  # real tokens fed per row (holes excluded)
+        self.compactions = 0
+
+    def forward(self, ids: torch.Tensor, fed: torch.Tensor, keep: int) -> torch.Tensor:
+        """Feed ``ids`` [B, T] on the device; ``fed`` [B, T] (host bool) is False for a hole, a column no
+        one will attend to. Returns logits [B, keep, vocab] of the last ``keep`` columns."""
+        fed_dev = fed.to(self.device)
+        # Each row's own positions: attended columns before it, then its fed tokens (a hole repeats one).
+        positions = (self.valid.sum(1, keepdim=True) + fed_dev.cumsum(1) - 1).clamp_min(0)
+        self.valid_host = torch.cat([self.valid_host, fed], 1)
+        self.valid = torch.cat([self.valid, fed_dev], 1)
+        # Without holes the mask changes nothing: leave it out, so the model takes its plain causal path.
+        mask = None if bool(self.valid_host.all()) else self.valid.long()
+        out = forward_tail(self.model, ids, keep, attention_mask=mask, position_ids=positions,
+                           past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.tokens_fed += fed.sum(1)
+        return out.logits[..., : self.vocab]
+
+    def drop(self, holes: torch.Tensor) -> None:
+        """Stop attending to columns of the last T: ``holes`` [B, T] host bool (rejected draft tokens)."""
+        T = holes.shape[1]
+        if T:
+            self.valid_host[:, -T:] &= ~holes
+            self.valid[:, -T:] &= ~holes.to(self.device)
+        used = self.valid_host.any(0).nonzero()
+        end = int(used.max()) + 1 if used.numel() else 0
+        if end < self.valid_host.shape[1]:  # columns no row attends to at the end: crop them
+            crop_cache(self.cache, end)
+            self.valid_host, self.valid = self.valid_host[:, :end], self.valid[:, :end]
+        holes = int((~self.valid_host).sum())
+        if holes and self.valid_host.shape[1] > 16 and holes > COMPACT_AT * self.valid_host.numel():
+            self.compact()
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only batch rows ``rows`` (indices), in that order (finished rows leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.cache.batch_select_indices(index.to(self.device))
+        self.valid_host, self.valid = self.valid_host[index], self.valid[index.to(self.device)]
+        self.tokens_fed = self.tokens_fed[index]
+        self.drop(torch.zeros((len(rows), 0), dtype=torch.bool))
+
+    def compact(self) -> None:
+        """Gather each row's attended columns to the right end of a cache as wide as the longest row."""
+        counts = self.valid_host.sum(1)
+        width = int(counts.max())
+        # Row b's attended columns in order (a stable sort puts them first), right-aligned; holes read column 0.
+        order = torch.argsort((~self.valid_host).to(torch.int8), dim=1, stable=True)[:, :width]
+        shift = width - counts
+        j = torch.arange(width)[None, :]
+        valid = j >= shift[:, None]
+        src = torch.where(valid, torch.gather(order, 1, (j - shift[:, None]).clamp_min(0)), 0).to(self.device)
+        for layer in self.cache.layers:
+            B, H, _, D = layer.keys.shape
+            index = src[:, None, :, None].expand(B, H, width, D)
+            layer.keys = torch.gather(layer.keys, 2, index)
+            layer.values = torch.gather(layer.values, 2, index)
+        self.valid_host, self.valid = valid, valid.to(self.device)
+        self.compactions += 1

@@ -1,0 +1,269 @@
+"""Batched decoding: every row of a [B, P] left-padded batch decodes exactly as it would alone."""
+import pytest
+import torch
+
+import pad
+import pad.decoder
+import pad_kernels.verify_ref as ref
+from test_generate_pivot import _classifier
+from test_sampling_distribution import ALPHA, _p_value, _target_joint, _wrong_residual
+from tiny import ARCHS, tiny_model, tiny_pair
+
+BATCHES = 30
+
+
+def _batch(rows: list[list[int]], pad_id=0):
+    """Left-pad token lists -> (input_ids [B, P], attention_mask [B, P])."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _cases(vocab, seed):
+    """(B, K, rows of prompt tokens, budget, row whose own output gives the EOS or None) per batch."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, K) for B in (2, 3, 8) for K in (1, 3, 8)]
+    for i in range(BATCHES):
+        B, K = shapes[i % len(shapes)]
+        rows = [torch.randint(0, vocab, (int(torch.randint(1, 21, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(B)]
+        yield i, B, K, rows, 9 + (i % 6) * 3, (i % B if i % 3 == 0 else None)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    return request.param, *tiny_pair(request.param)
+
+
+def _alone(target, row, max_new, eos):
+    prompt = torch.tensor([row])
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=max_new,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(row):].tolist()
+
+
+def test_exact_batched_rows_equal_target_generate_alone(pair):
+    arch, target, draft = pair
+    vocab = target.config.vocab_size
+    eos_mid_block = shorter_rows = 0
+    for i, B, K, rows, max_new, eos_row in _cases(vocab, seed=len(arch)):
+        eos = None
+        if eos_row is not None:  # an EOS that row eos_row emits at its 6th token: it ends early, others may not
+            eos = _alone(target, rows[eos_row], 6, None)[5]
+        expected = [_alone(target, r, max_new, eos) for r in rows]
+        ids, mask = _batch(rows, pad_id=7)
+        blocks = []
+        got = pad.generate(target, draft, ids, attention_mask=mask, policy="exact", num_draft_tokens=K,
+                           max_new_tokens=max_new, eos_token_id=eos, pad_token_id=3,
+                           callback=lambda toks, stats: blocks.append(toks))
+        P = ids.shape[1]
+        assert got.lengths.tolist() == [len(e) for e in expected], f"{arch} batch {i}"
+        for r, e in enumerate(expected):
+            assert got.sequences[r, P : P + len(e)].tolist() == e, f"{arch} batch {i} row {r}"
+            assert (got.sequences[r, P + len(e):] == 3).all()  # right-padded with pad_token_id
+        assert torch.equal(got.sequences[:, :P], ids)  # the input as given
+        assert [s.new_tokens for s in got.row_stats] == got.lengths.tolist()
+        assert got.stats.new_tokens == sum(got.lengths.tolist())
+        assert got.stats.target_forwards == sum(s.target_forwards for s in got.row_stats)
+        shorter_rows += len(set(got.lengths.tolist())) > 1
+        for block in blocks:  # a row that ended at an EOS with fewer tokens than its block held
+            eos_mid_block += any(t and t[-1] == eos and len(t) < K + 1 for t in block)
+    assert eos_mid_block > 0 and shorter_rows > 0  # the cases really had rows ending mid-block and early
+
+
+def test_pivot_rows_at_batch_size_one_and_more_agree():
+    target, draft = tiny_pair("qwen2", scale=0.3)
+    clf = _classifier(target, 0)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(4):
+        rows = [torch.randint(0, 96, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(3 + trial)]
+        alone = [pad.generate(target, draft, torch.tensor([r]), classifier=clf, sigma=0.5, num_draft_tokens=4,
+                              max_new_tokens=20) for r in rows]
+        ids, mask = _batch(rows)
+        batched = pad.generate(target, draft, ids, attention_mask=mask, classifier=clf, sigma=0.5,
+                               num_draft_tokens=4, max_new_tokens=20)
+        for r, a in enumerate(alone):
+            n = int(batched.lengths[r])
+            assert batched.sequences[r, ids.shape[1] : ids.shape[1] + n].tolist() == a.sequences[0, len(rows[r]):].tolist()
+            assert batched.row_stats[r].pivot_accepted == a.stats.pivot_accepted
+            assert batched.row_stats[r].accepted == a.stats.accepted
+    assert sum(s.pivot_accepted for s in batched.row_stats) > 0  # the classifier really accepted tokens
+
+
+def _batched_pairs(target, draft, rows, samples, backend=None):
+    V = target.config.vocab_size
+    counts = torch.zeros(len(rows), V * V, dtype=torch.long)
+    ids, mask = _batch(rows)
+    P = ids.shape[1]
+    for seed in range(samples):
+        out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact", num_draft_tokens=2,
+                           max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
+        for r in range(len(rows)):
+            counts[r, out[r, P] * V + out[r, P + 1]] += 1
+    return counts
+
+
+def test_batched_sampling_keeps_each_rows_target_distribution(monkeypatch):
+    target = tiny_model("llama", 8, hidden=16, layers=1, seed=3)
+    draft = tiny_model("llama", 8, hidden=16, layers=1, seed=4)
+    rows = [[1, 5, 2], [6], [3, 3, 0, 7]]
+    joints = [_target_joint(target, torch.tensor([r]), 0.8, 0.9) for r in rows]
+    counts = _batched_pairs(target, draft, rows, 20_000)
+    for r in range(len(rows)):
+        assert _p_value(counts[r], joints[r]) > ALPHA, f"row {r}"
+    monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
+    counts = _batched_pairs(target, draft, rows, 20_000, backend="torch")
+    assert min(_p_value(counts[r], joints[r]) for r in range(len(rows))) < ALPHA
+    # A seed makes a batched call reproducible.
+    ids, mask = _batch(rows)
+    a, b = (pad.generate(target, draft, ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=9)
+            for _ in range(2))
+    assert torch.equal(a.sequences, b.sequences)
+
+
+class Spy:
+    """Records each Decoder's state after every block: which tokens each row's cache columns hold and
+    which of them the row attends to."""
+
+    def __init__(self, monkeypatch):
+        self.decoders = []
+        real_init, real_forward = pad.decoder.Decoder.__init__, pad.decoder.Decoder.forward
+
+        def init(dec, model, vocab, rows):
+            real_init(dec, model, vocab, rows)
+            dec.spy_tokens = torch.zeros((rows, 0), dtype=torch.long)  # token id of every cache column
+            dec.spy_rows = list(range(rows))  # call row of each batch row
+            self.decoders.append(dec)
+
+        def forward(dec, ids, fed, keep):
+            dec.spy_tokens = torch.cat([dec.spy_tokens, ids.cpu()], 1)
+            return real_forward(dec, ids, fed, keep)
+
+        real_drop, real_select, real_compact = (pad.decoder.Decoder.drop, pad.decoder.Decoder.select,
+                                                pad.decoder.Decoder.compact)
+
+        def select(dec, rows):
+            dec.spy_tokens = dec.spy_tokens[rows]
+            dec.spy_rows = [dec.spy_rows[j] for j in rows]
+            real_select(dec, rows)
+
+        def compact(dec):
+            dec.spy_tokens = dec.spy_tokens[:, : dec.valid_host.shape[1]]  # drop() may have cropped first
+            before = [dec.spy_tokens[b][dec.valid_host[b]] for b in range(dec.valid_host.shape[0])]
+            real_compact(dec)
+            width = dec.valid_host.shape[1]
+            dec.spy_tokens = torch.full((len(before), width), -1, dtype=torch.long)
+            for b, t in enumerate(before):
+                dec.spy_tokens[b, width - len(t):] = t
+
+        def drop(dec, holes):
+            real_drop(dec, holes)
+            dec.spy_tokens = dec.spy_tokens[:, : dec.valid_host.shape[1]]  # a crop; compaction rewrites it
+
+        monkeypatch.setattr(pad.decoder.Decoder, "__init__", init)
+        monkeypatch.setattr(pad.decoder.Decoder, "forward", forward)
+        monkeypatch.setattr(pad.decoder.Decoder, "select", select)
+        monkeypatch.setattr(pad.decoder.Decoder, "compact", compact)
+        monkeypatch.setattr(pad.decoder.Decoder, "drop", drop)
+
+    @staticmethod
+    def attended(dec, b):
+        return dec.spy_tokens[b][dec.valid_host[b]].tolist()
+
+
+@pytest.mark.parametrize("compact_at", [0.5, 0.0])
+@pytest.mark.parametrize("policy,temperature", [("exact", 0.0), ("exact", 1.0), ("pivot", 0.0)])
+def test_cache_invariant_after_every_block(monkeypatch, policy, temperature, compact_at):
+    target, draft = tiny_pair("llama", scale=0.5)
+    monkeypatch.setattr(pad.decoder, "COMPACT_AT", compact_at)  # 0: gather the holes out after every block
+    clf = _classifier(target, 1) if policy == "pivot" else None
+    spy = Spy(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 96, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(5)]
+    committed = [list(r) for r in rows]
+    checked = {"blocks": 0, "compactions": 0}
+
+    def check(tokens, stats):
+        tgt, drf = spy.decoders
+        for r, t in enumerate(tokens):
+            committed[r] += t
+        for b, r in enumerate(tgt.spy_rows):
+            # The target attends to exactly the row's prompt and committed tokens but the newest (unseen).
+            assert spy.attended(tgt, b) == committed[r][:-1], f"block {checked['blocks']} row {r}"
+            # The draft to a prefix of them (it has not seen the newest one or two).
+            d = spy.attended(drf, b)
+            assert d == committed[r][: len(d)] and len(committed[r]) - 2 <= len(d) <= len(committed[r]) - 1
+        checked["blocks"] += 1
+
+    ids, mask = _batch(rows)
+    out = pad.generate(target, draft, ids, attention_mask=mask, policy=policy, classifier=clf, sigma=0.6,
+                       num_draft_tokens=4, max_new_tokens=40, temperature=temperature, seed=1, callback=check)
+    tgt, drf = spy.decoders
+    for r in range(len(rows)):
+        assert committed[r] == rows[r] + out.sequences[r, ids.shape[1] : ids.shape[1] + out.lengths[r]].tolist()
+    assert checked["blocks"] == max(s.target_forwards for s in out.row_stats)
+    if compact_at == 0.0:
+        assert tgt.compactions > 0 and drf.compactions > 0
+        # Gathering the holes out changes no token: the same call without it decodes the same.
+        monkeypatch.setattr(pad.decoder, "COMPACT_AT", 2.0)
+        again = pad.generate(target, draft, ids, attention_mask=mask, policy=policy, classifier=clf, sigma=0.6,
+                             num_draft_tokens=4, max_new_tokens=40, temperature=temperature, seed=1)
+        assert spy.decoders[-2].compactions == 0 and torch.equal(again.sequences, out.sequences)
+
+
+def test_tokens_fed_per_row_without_reprefill(monkeypatch):
+    """Per row: the target is fed prompt + committed + rejected drafts, less the newest committed token."""
+    target, draft = tiny_pair("llama", scale=0.5)
+    fed = {}
+    real_select = pad.decoder.Decoder.select
+
+    def select(dec, rows):  # remember what leaving rows were fed
+        for j in set(range(len(dec.spy_rows))) - set(rows):
+            fed.setdefault(id(dec), {})[dec.spy_rows[j]] = int(dec.tokens_fed[j])
+        dec.spy_rows = [dec.spy_rows[j] for j in rows]
+        real_select(dec, rows)
+
+    real_init = pad.decoder.Decoder.__init__
+
+    def init(dec, model, vocab, rows):
+        real_init(dec, model, vocab, rows)
+        dec.spy_rows = list(range(rows))
+        decs.append(dec)
+
+    decs = []
+    monkeypatch.setattr(pad.decoder.Decoder, "__init__", init)
+    monkeypatch.setattr(pad.decoder.Decoder, "select", select)
+    rows = [[5, 9, 11], [40], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8]]
+    ids, mask = _batch(rows)
+    out = pad.generate(target, draft, ids, attention_mask=mask, num_draft_tokens=3, max_new_tokens=27)
+    tgt = decs[0]
+    for j, r in enumerate(tgt.spy_rows):  # rows still in the batch at the end
+        fed.setdefault(id(tgt), {})[r] = int(tgt.tokens_fed[j])
+    uncut = 0
+    for r, s in enumerate(out.row_stats):
+        # Each target forward feeds the row's newest committed token and its k drafts; the first one the
+        # prompt instead of that token: nothing is ever fed twice.
+        assert fed[id(tgt)][r] == len(rows[r]) + s.drafted + s.target_forwards - 1
+        if s.new_tokens == s.accepted + s.target_forwards:  # no block cut short by the budget or an EOS
+            uncut += 1
+            assert fed[id(tgt)][r] == len(rows[r]) + s.new_tokens + (s.drafted - s.accepted) - 1
+    assert uncut > 0  # the second identity was really checked
+
+
+def test_bad_batches():
+    target, draft = tiny_pair("llama")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match="right padding"):
+        pad.generate(target, draft, ids, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    with pytest.raises(ValueError, match="row 1 of the batch is only padding"):
+        pad.generate(target, draft, ids, attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
+    with pytest.raises(ValueError, match="attention_mask must have the shape of input_ids"):
+        pad.generate(target, draft, ids, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="only 0"):
+        pad.generate(target, draft, ids, attention_mask=torch.full((2, 3), 2))
