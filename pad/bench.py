@@ -19,7 +19,7 @@ from .generate import DECODE_VERSION, generate
 from .machine import machine_line
 from .registry import check_weights
 
-BASE_POLICIES = ("target", "draft", "exact", "hf-assisted")
+BASE_POLICIES = ("target", "draft", "exact", "hf-assisted", "hf-target")
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
 # on GPUs, kernel compilation stay out of the timings).
 WARMUP_TOKENS = 8
@@ -28,7 +28,7 @@ WARMUP_TOKENS = 8
 @dataclass
 class PolicySpec:
     name: str  # as written: "pivot@0.5"
-    policy: str  # "target" | "draft" | "exact" | "pivot" | "hf-assisted"
+    policy: str  # "target" | "draft" | "exact" | "pivot" | "hf-assisted" | "hf-target"
     sigma: float = 0.0
 
 
@@ -62,9 +62,14 @@ class PolicyTotals:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    batch_size: int = 0  # the largest batch its problems were decoded in
+    peak_mib: float = math.nan  # the largest peak resident memory of a timed run
 
     def add(self, record: dict) -> None:
         self.problems += 1
+        self.batch_size = max(self.batch_size, record.get("batch_size", 1))
+        peak = record.get("peak_mib", math.nan)
+        self.peak_mib = peak if math.isnan(self.peak_mib) else max(self.peak_mib, peak)
         self.correct += record["correct"]
         self.new_tokens += record["new_tokens"]
         self.wall_time += record["seconds"]
@@ -86,6 +91,8 @@ class PolicyTotals:
             "new_tokens": self.new_tokens,
             "tokens_per_s": tps,
             "speedup_vs_target": tps / target_tps if target_tps and not math.isnan(target_tps) else nan,
+            "batch_size": self.batch_size,
+            "peak_mib": self.peak_mib,
         }
 
 
@@ -143,9 +150,11 @@ class RunLog:
 
 def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,
         max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
-        settings: dict | None = None, log: Path | None = None, models=None) -> list[dict]:
+        settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1) -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
+    Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` one at a time:
+    transformers refuses batches there); accuracy and acceptance stay per problem, tokens/s is aggregate.
     With ``log``, finished runs are appended there and runs already in it (same ``settings``) are not
     repeated: an interrupted benchmark resumes, and baseline runs survive a new classifier. ``models``: a
     callable returning (target, draft), called the first time a run is missing, in place of ``target`` and
@@ -153,6 +162,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     """
     from tqdm.auto import tqdm
 
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     runs = RunLog(log)
     for r in runs.records:
@@ -165,57 +176,125 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     totals = {s.name: PolicyTotals() for s in specs}
     warm = set()  # policies warmed up in this process
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
-    for problem in problems:
-        ids = None
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
         for spec in specs:
-            key = {**base, **extra.get(spec.policy, {})}
-            record = runs.find(key, problem.id, spec.name)
-            if record is None:
-                if target is None:
-                    target, draft = models()
-                if ids is None:
-                    ids = tasks.prompt_ids(tokenizer, task, problem)
-                if spec.name not in warm:
-                    _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor, num_draft_tokens,
-                             min(WARMUP_TOKENS, max_new_tokens), eos, score=False)
-                    warm.add(spec.name)
-                record = _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor,
-                                  num_draft_tokens, max_new_tokens, eos)
-                runs.add({"problem": problem.id, "policy": spec.name, "settings": key, **record})
-                note = f"{spec.name}: {record['new_tokens']} tok in {record['seconds']:.1f}s"
-            else:
-                note = f"{spec.name}: from {log.name}"
-            totals[spec.name].add(record)
-            bar.update(1)
-            bar.set_postfix_str(f"{note}, {'right' if record['correct'] else 'wrong'}")
+            size = 1 if spec.policy == "hf-assisted" else len(chunk)
+            for group in (chunk[i : i + size] for i in range(0, len(chunk), size)):
+                key = {**base, **extra.get(spec.policy, {}),
+                       "batch_size": 1 if spec.policy == "hf-assisted" else batch_size}
+                found = [runs.find(key, p.id, spec.name) for p in group]
+                if any(r is None for r in found):
+                    if target is None:
+                        target, draft = models()
+                    ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
+                    if spec.name not in warm:
+                        _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
+                                   num_draft_tokens, min(WARMUP_TOKENS, max_new_tokens), eos, score=False)
+                        warm.add(spec.name)
+                    fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
+                                       num_draft_tokens, max_new_tokens, eos)
+                    for i, (p, record) in enumerate(zip(group, fresh)):
+                        if found[i] is None:
+                            found[i] = record
+                            runs.add({"problem": p.id, "policy": spec.name, "settings": key, **record})
+                    note = f"{spec.name}: {sum(r['new_tokens'] for r in fresh)} tok in " \
+                           f"{sum(r['seconds'] for r in fresh):.1f}s"
+                else:
+                    note = f"{spec.name}: from {log.name}"
+                for record in found:
+                    totals[spec.name].add(record)
+                bar.update(len(group))
+                bar.set_postfix_str(note)
     bar.close()
     target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
     return [totals[s.name].row(s.name, target_tps) for s in specs]
 
 
-def _run_one(task, problem, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
-             score: bool = True) -> dict:
-    """One policy on one problem -> the counts a PolicyTotals adds up (``score=False``: a warm-up, not
-    scored)."""
-    counts = {"target_forwards": 0, "drafted": 0, "accepted": 0}
+def _reset_peak_memory() -> None:
+    try:  # Linux: writing 5 resets the peak resident set size (VmHWM) of this process
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_memory_mib() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _hf_target(target, ids, mask, max_new_tokens, eos, pad) -> tuple[list[list[int]], float, int]:
+    """transformers' own batched greedy generate with the target alone -> (new tokens per row, seconds,
+    target forwards)."""
+    forwards = [0]
+    hook = target.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=pad)
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if eos and t in eos), len(row))
+        rows.append(row[:end])  # finished rows are padded after their EOS
+    return rows, seconds, forwards[0]
+
+
+def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
+               score: bool = True) -> list[dict]:
+    """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
+    PolicyTotals adds up; ``seconds`` is the batch's wall time split evenly over its rows). ``score=False``:
+    a warm-up, not scored."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    batch, mask = _left_padded(ids, pad)
+    _reset_peak_memory()
     if spec.policy == "hf-assisted":
-        new, seconds, counts["target_forwards"] = _hf_assisted(target, draft, ids, k, max_new_tokens, eos)
+        new, seconds, forwards = _hf_assisted(target, draft, batch, k, max_new_tokens, eos)
+        rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0})]
+    elif spec.policy == "hf-target":
+        news, seconds, forwards = _hf_target(target, batch, mask, max_new_tokens, eos, pad)
+        rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0}) for new in news]
     else:
-        result = generate(target, draft, ids, policy=spec.policy,
+        result = generate(target, draft, batch, attention_mask=mask, policy=spec.policy,
                           classifier=classifier if spec.policy == "pivot" else None, sigma=spec.sigma, floor=floor,
-                          num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        s = result.stats
-        new, seconds = result.sequences[0, ids.shape[1]:].tolist(), s.wall_time
-        counts = {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted}
-    reply = tokenizer.decode(new, skip_special_tokens=True)
-    return {"correct": bool(tasks.correct(task, problem, reply)) if score else None, "new_tokens": len(new), "seconds": seconds, **counts,
-            "reply": reply}  # kept in the run log, so that every accuracy figure can be audited
+                          num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        seconds, P = result.stats.wall_time, batch.shape[1]
+        rows = [(result.sequences[i, P : P + int(result.lengths[i])].tolist(),
+                 {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted})
+                for i, s in enumerate(result.row_stats)]
+    peak = _peak_memory_mib()
+    records = []
+    for problem, (new, counts) in zip(group, rows):
+        reply = tokenizer.decode(new, skip_special_tokens=True)
+        records.append({"correct": bool(tasks.correct(task, problem, reply)) if score else None,
+                        "new_tokens": len(new), "seconds": seconds / len(group), **counts, "batch_size": len(group),
+                        "peak_mib": peak,
+                        "reply": reply})  # kept in the run log, so that every accuracy figure can be audited
+    return records
 
 
 COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acceptance_rate", "acceptance", "{:.1%}"),
            ("mean_accepted_length", "tokens / target forward", "{:.2f}"),
            ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
-           ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("new_tokens", "new tokens", "{}")]
+           ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("new_tokens", "new tokens", "{}"),
+           ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}")]
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -261,7 +340,9 @@ def _plot(rows, path: Path, title: str) -> Path:
 
 
 def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, dtype: str,
-           command: str, classifier: str | None = None) -> str:
+           command: str, classifier: str | None = None, batch_size: int = 1) -> str:
     clf = f"; classifier {classifier}" if classifier else ""
+    batch = (f"; batches of {batch_size} problems (hf-assisted one at a time: transformers refuses batches)"
+             if batch_size > 1 else "")
     return (f"{task}, {n} problems, K={k}, max {max_new_tokens} new tokens, greedy, {dtype}; target {target_name}, "
-            f"draft {draft_name}{clf}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")
+            f"draft {draft_name}{clf}{batch}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

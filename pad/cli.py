@@ -124,16 +124,18 @@ def _bench(args) -> int:
         return target, draft
 
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
-    stem = f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
+    stem = (f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
+            + (f"_b{args.batch_size}" if args.batch_size > 1 else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
-                     classifier=classifier, floor=args.floor, settings=settings,
+                     classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
-                        args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None)
+                        args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None,
+                        args.batch_size)
     print(bench.markdown(rows, head))
     if args.out:
         for path in bench.write(rows, Path(args.out), stem, head, plot=args.plot):
@@ -213,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(b)
     b.add_argument("--limit", type=int, default=20, help="number of problems (from the start of the file)")
     b.add_argument("--policies", default="target,exact,hf-assisted",
-                   help="comma-separated: target, draft, exact, pivot@SIGMA, hf-assisted")
+                   help="comma-separated: target, draft, exact, pivot@SIGMA, hf-assisted (transformers' assisted "
+                        "generation, one problem at a time), hf-target (transformers' batched generate, target alone)")
+    b.add_argument("--batch-size", "-b", type=int, default=1,
+                   help="problems decoded together per policy (tokens/s is then aggregate)")
     b.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)

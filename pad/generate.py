@@ -382,6 +382,8 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
             finished = []
             for j, r in enumerate(run.live):
                 n = accepted[j]
+                # Alone, this row would have drafted only up to its own budget: count those drafts only.
+                k_row = min(k, run.budget(r))
                 kept, done = run.commit(r, drafted[j][:n] + [tokens[j]])
                 c = len(kept)  # n + 1 unless an EOS or the budget cut the block short
                 t_holes[j, c:] = True
@@ -392,8 +394,8 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                 s = run.rows[r]
                 committed_drafts = min(n, len(kept))
                 s.target_forwards += 1
-                s.draft_forwards += k
-                s.drafted += k
+                s.draft_forwards += k_row
+                s.drafted += k_row
                 s.accepted += committed_drafts
                 s.pivot_accepted += sum(pivot_flags[j][:committed_drafts])
                 if done:

@@ -80,21 +80,37 @@ def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
 
 
 @torch.inference_mode()
+def greedy_texts(model_policy: str, target, draft, prompts: list[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
+    """The greedy continuations of several prompts ([1, P] each) by the target (or the draft, with
+    ``model_policy="draft"``), decoded as one batch: each row is what it would be alone."""
+    rows = [p[0].tolist() for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    out = generate(target, draft, ids, attention_mask=mask, policy=model_policy, max_new_tokens=max_new_tokens)
+    return [out.sequences[i, width : width + int(n)].tolist() for i, n in enumerate(out.lengths)]
+
+
+@torch.inference_mode()
 def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[list[int]], bool],
-                  cfg: LabelConfig, rollout_batch: int = 16) -> dict[str, torch.Tensor]:
+                  cfg: LabelConfig, rollout_batch: int = 16, decoded: tuple | None = None) -> dict[str, torch.Tensor]:
     """Labeled positions of one problem as tensors (see the module docstring); prompt_ids [1, P].
 
     Rollouts run ``rollout_batch`` at a time over the decoded text's own cache (``pad.rollout``).
+    ``decoded``: (the target's greedy text, the draft's or None) when already decoded (``greedy_texts``).
     """
     vocab = shared_vocab_size(target, draft)
     eos = eos_ids(target, None)
     P = prompt_ids.shape[1]
-    if cfg.only_draft_wrong:
-        alone = generate(target, draft, prompt_ids, policy="draft", max_new_tokens=cfg.max_new_tokens)
-        if utility(alone.sequences[0, P:].tolist()):
-            return {}
-    new = generate(target, draft, prompt_ids, policy="target",
-                   max_new_tokens=cfg.max_new_tokens).sequences[0, P:].tolist()
+    if decoded is None:
+        decoded = (greedy_texts("target", target, draft, [prompt_ids], cfg.max_new_tokens)[0],
+                   greedy_texts("draft", target, draft, [prompt_ids], cfg.max_new_tokens)[0]
+                   if cfg.only_draft_wrong else None)
+    new, alone = decoded
+    if cfg.only_draft_wrong and utility(alone):
+        return {}
     if not new:
         return {}
     seq = torch.cat([prompt_ids, torch.tensor([new])], 1)
@@ -203,9 +219,9 @@ class LabelWriter:
 
 def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], target, draft, out_dir,
         cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True,
-        rollout_batch: int = 16, start: int = 0) -> dict:
+        rollout_batch: int = 16, start: int = 0, decode_batch: int = 8) -> dict:
     """Label the problems of this shard from index ``start`` on that the index does not hold yet; returns a
-    summary."""
+    summary. The greedy decodes of ``decode_batch`` problems at a time run as one batch."""
     from tqdm.auto import tqdm
 
     decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
@@ -214,9 +230,17 @@ def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], 
     todo = [i for i in mine if problems[i].id not in writer.done]
     summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
     bar = tqdm(todo, desc="label", unit="problem", disable=not progress)
-    for i in bar:
+    decoded = {}
+    for n, i in enumerate(bar):
         start = time.perf_counter()
-        tensors = label_problem(target, draft, prompts[i], utilities[i], cfg, rollout_batch)
+        if i not in decoded:  # the next decode_batch problems' greedy texts, decoded together
+            group = todo[n : n + decode_batch]
+            with torch.inference_mode():
+                texts = greedy_texts("target", target, draft, [prompts[j] for j in group], cfg.max_new_tokens)
+                drafts = (greedy_texts("draft", target, draft, [prompts[j] for j in group], cfg.max_new_tokens)
+                          if cfg.only_draft_wrong else [None] * len(group))
+            decoded = dict(zip(group, zip(texts, drafts)))
+        tensors = label_problem(target, draft, prompts[i], utilities[i], cfg, rollout_batch, decoded.pop(i))
         writer.write(i, problems[i].id, tensors, time.perf_counter() - start)
         summary["problems"] += 1
         if tensors:

@@ -165,3 +165,32 @@ def test_a_run_log_of_other_weights_is_refused(tmp_path):
     hub = {**gguf, "target": "hub:Qwen/X@0123"}
     with pytest.raises(ValueError, match=r"other target weights \(gguf-q4_k_m-bf16:sha256:aaaa\).*\(hub:Qwen/X@0123\)"):
         bench.run("gsm8k", problems[:1], target, draft, tok, specs, settings={"weights": hub}, **kwargs)
+
+
+def test_batched_bench_keeps_per_problem_results(tmp_path):
+    target, draft, tok, problems = _bench_setup()
+    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=5)
+    specs = bench.parse_policies("target,exact,hf-target,hf-assisted")
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False)
+    alone = bench.run("gsm8k", problems, target, draft, tok, specs, log=tmp_path / "b1.jsonl", **kwargs)
+    batched = bench.run("gsm8k", problems, target, draft, tok, specs, log=tmp_path / "b3.jsonl", batch_size=3,
+                        **kwargs)
+    logs = {b: [json.loads(x) for x in (tmp_path / f"b{b}.jsonl").read_text().splitlines()] for b in (1, 3)}
+    for b, log in logs.items():
+        assert len(log) == 5 * 4 and len({(r["problem"], r["policy"]) for r in log}) == 20
+    # Every row decodes as it would alone: the same reply for each problem and policy at B = 1 and B = 3,
+    # and transformers' batched target-only generate gives the target's own replies.
+    replies = {b: {(r["problem"], r["policy"]): r["reply"] for r in log} for b, log in logs.items()}
+    assert replies[1] == replies[3]
+    assert all(replies[3][p.id, "hf-target"] == replies[3][p.id, "target"] for p in problems)
+    by = {b: {r["policy"]: r for r in rows} for b, rows in ((1, alone), (3, batched))}
+    assert [by[3][p]["batch_size"] for p in ("target", "exact", "hf-target", "hf-assisted")] == [3, 3, 3, 1]
+    assert by[1]["exact"]["batch_size"] == 1 and by[3]["exact"]["peak_mib"] > 0
+    for policy in ("target", "exact", "hf-assisted"):
+        for col in ("accuracy", "acceptance_rate", "mean_accepted_length", "new_tokens"):
+            a, b = by[1][policy][col], by[3][policy][col]
+            assert a == b or (math.isnan(a) and math.isnan(b)), (policy, col)
+    # hf-target keeps finished rows in its batch: more target forwards per token than the target alone.
+    assert by[3]["hf-target"]["target_forwards_per_token"] >= 1.0
+    with pytest.raises(ValueError, match="batch size"):
+        bench.run("gsm8k", problems, target, draft, tok, specs, batch_size=0, **kwargs)

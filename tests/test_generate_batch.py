@@ -1,4 +1,6 @@
 """Batched decoding: every row of a [B, P] left-padded batch decodes exactly as it would alone."""
+import importlib
+
 import pytest
 import torch
 
@@ -236,9 +238,17 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
         dec.spy_rows = list(range(rows))
         decs.append(dec)
 
-    decs = []
+    decs, ks = [], []
+    module = importlib.import_module("pad.generate")  # the module (pad.generate is the function)
+    real_verify = module.verify_block
+
+    def verify(target_logits, draft_tokens, *args, **kwargs):
+        ks.append(draft_tokens.shape[1])  # drafts the target verified for every live row in this block
+        return real_verify(target_logits, draft_tokens, *args, **kwargs)
+
     monkeypatch.setattr(pad.decoder.Decoder, "__init__", init)
     monkeypatch.setattr(pad.decoder.Decoder, "select", select)
+    monkeypatch.setattr(module, "verify_block", verify)
     rows = [[5, 9, 11], [40], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8]]
     ids, mask = _batch(rows)
     out = pad.generate(target, draft, ids, attention_mask=mask, num_draft_tokens=3, max_new_tokens=27)
@@ -247,13 +257,15 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
         fed.setdefault(id(tgt), {})[r] = int(tgt.tokens_fed[j])
     uncut = 0
     for r, s in enumerate(out.row_stats):
-        # Each target forward feeds the row's newest committed token and its k drafts; the first one the
-        # prompt instead of that token: nothing is ever fed twice.
-        assert fed[id(tgt)][r] == len(rows[r]) + s.drafted + s.target_forwards - 1
-        if s.new_tokens == s.accepted + s.target_forwards:  # no block cut short by the budget or an EOS
-            uncut += 1
-            assert fed[id(tgt)][r] == len(rows[r]) + s.new_tokens + (s.drafted - s.accepted) - 1
+        verified = sum(ks[: s.target_forwards])  # rows only leave: row r took part in the first blocks
+        # Each target forward feeds the row's newest committed token and the block's drafts; the first one
+        # the prompt instead of that token: nothing is ever fed twice.
+        assert fed[id(tgt)][r] == len(rows[r]) + verified + s.target_forwards - 1
+        if s.new_tokens == s.accepted + s.target_forwards:  # no block cut short by the budget
+            uncut += 1  # then: prompt + committed + rejected drafts, less the newest committed token
+            assert fed[id(tgt)][r] == len(rows[r]) + s.new_tokens + (verified - s.accepted) - 1
     assert uncut > 0  # the second identity was really checked
+    assert len(set(ks)) > 1  # blocks of different lengths (near the budget)
 
 
 def test_bad_batches():

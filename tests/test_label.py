@@ -188,3 +188,17 @@ def test_label_folder_of_other_weights_is_refused(setup, tmp_path):
     with pytest.raises(ValueError, match=r"label folder .* other draft weights \(hub:org/d@1\)"):
         label.run(problems[:2], prompts[:2], [_stub_utility] * 2, target, draft, tmp_path, CFG, progress=False,
                   meta={"weights": {**weights, "draft": "gguf-q4_k_m-bf16:sha256:00"}})
+
+
+def test_batched_greedy_decodes_write_the_same_records(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    cfg = label.LabelConfig(**{**CFG.__dict__, "only_draft_wrong": False})
+    for b in (1, 4):
+        label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False,
+                  decode_batch=b)
+    (i1, t1), (i4, t4) = _read(tmp_path / "b1"), _read(tmp_path / "b4")
+    assert [{**r, "seconds": 0} for r in i1] == [{**r, "seconds": 0} for r in i4]
+    assert t1.keys() == t4.keys() and sum(r["records"] for r in i1) > 0
+    for pid in t1:
+        for k in t1[pid]:
+            assert torch.equal(t1[pid][k], t4[pid][k]), (pid, k)
