@@ -2,8 +2,13 @@
 speculative decoding pays on a machine (verification feeds K+1 tokens per forward).
 
     python bench/forward_cost.py [--model NAME] [--dtype bfloat16] [--max-tokens 8]
+    python bench/forward_cost.py --batch 1,2,4,8,16 [--tokens 9] [--prefix 512]
 
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
+With ``--batch``: for each batch size B, a forward over B rows of one token against B rows of ``--tokens``
+(a verification block of K = tokens - 1) after a ``--prefix``-column cache, and what the two ways of
+keeping ragged rows in one cache cost there (``pad/decoder.py``): a copy of the whole cache (unpad and
+re-pad every block) and a forward whose cache has half its columns masked out (holes).
 """
 import argparse
 import platform
@@ -22,10 +27,15 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", help="comma-separated batch sizes: measure batched forwards instead")
+    parser.add_argument("--tokens", type=int, default=9, help="with --batch: new tokens per row (K + 1)")
+    parser.add_argument("--prefix", type=int, default=512, help="with --batch: cached columns per row")
     args = parser.parse_args()
     model, _ = load(args.model, dtype=args.dtype)
     print(f"{args.model} {args.dtype} | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads | CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    if args.batch:
+        return batched(model, [int(b) for b in args.batch.split(",")], args.tokens, args.prefix, args.repeats)
     print("| new tokens | median ms | x one token |\n|---|---|---|")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -42,6 +52,47 @@ def main():
             median = statistics.median(times)
             base = base or median
             print(f"| {n} | {median * 1e3:.1f} | {median / base:.2f} |")
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> None:
+    print(f"prefix {prefix} cached columns per row; a block feeds {tokens} tokens per row")
+    print(f"| B | B x 1 token, ms | B x {tokens} tokens, ms | ratio | ms per row and block | cache copy, ms "
+          f"| half the cache masked, ms |\n|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for B in sizes:
+            cache = model(torch.randint(0, 1000, (B, prefix), generator=g), use_cache=True).past_key_values
+
+            def forward(n, mask=None):
+                ids = torch.randint(0, 1000, (B, n), generator=g)
+                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=n, attention_mask=mask)
+                crop_cache(cache, prefix)
+
+            one = _median_ms(lambda: forward(1), repeats)
+            block = _median_ms(lambda: forward(tokens), repeats)
+            # Unpad and re-pad: every layer's keys and values gathered into a fresh cache, once per block.
+            index = torch.arange(prefix)[None, None, :, None]
+
+            def copy():
+                for layer in cache.layers:
+                    i = index.expand(B, layer.keys.shape[1], prefix, layer.keys.shape[3])
+                    torch.gather(layer.keys, 2, i), torch.gather(layer.values, 2, i)
+
+            copied = _median_ms(copy, repeats)
+            holes = torch.ones((B, prefix + tokens), dtype=torch.long)
+            holes[:, : prefix : 2] = 0  # every other cached column is a hole
+            masked = _median_ms(lambda: forward(tokens, holes), repeats)
+            print(f"| {B} | {one:.1f} | {block:.1f} | {block / one:.2f} | {block / B:.1f} | {copied:.1f} "
+                  f"| {masked:.1f} |")
 
 
 if __name__ == "__main__":
