@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import jsonl, tasks
+from .decoder import left_padded
 from .generate import DECODE_VERSION, generate
 from .machine import machine_line
 from .registry import check_weights
@@ -228,16 +229,6 @@ def _peak_memory_mib() -> float:
     return math.nan
 
 
-def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def _hf_target(target, ids, mask, max_new_tokens, eos, pad) -> tuple[list[list[int]], float, int]:
     """transformers' own batched greedy generate with the target alone -> (new tokens per row, seconds,
     target forwards)."""
@@ -263,7 +254,7 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
     PolicyTotals adds up; ``seconds`` is the batch's wall time split evenly over its rows). ``score=False``:
     a warm-up, not scored."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    batch, mask = _left_padded(ids, pad)
+    batch, mask = left_padded(ids, pad)
     _reset_peak_memory()
     if spec.policy == "hf-assisted":
         new, seconds, forwards = _hf_assisted(target, draft, batch, k, max_new_tokens, eos)

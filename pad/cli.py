@@ -160,12 +160,23 @@ def _label(args) -> int:
     meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft,
             "weights": _weights(args), "dtype": args.dtype,
             "prompt": tasks.prompt_fingerprint(args.task), "utility": tasks.UTILITY_VERSION[args.task]}
-    if args.rollout_batch < 1:
-        raise ValueError("--rollout-batch must be at least 1")
+    if args.rollout_batch < 1 or args.batch < 1:
+        raise ValueError("--rollout-batch and --batch must be at least 1")
     if args.start < 0:
         raise ValueError("--start must be at least 0")
-    summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta,
-                        rollout_batch=args.rollout_batch, start=args.start)
+    if args.method == "search":
+        from . import search
+
+        def outcome(tokens, p):
+            return tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))
+
+        outcomes = [lambda tokens, p=problem: outcome(tokens, p) for problem in problems]
+        scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch)
+        summary = search.run(problems, prompts, outcomes, target, draft, args.out, scfg, shard=shard, meta=meta,
+                             start=args.start)
+    else:
+        summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta,
+                            rollout_batch=args.rollout_batch, start=args.start)
     print(f"labeled {summary['problems']} problems ({summary['skipped_done']} already done): "
           f"{summary['records']} positions, {summary['pivots']} pivots -> {args.out}")
     return 0
@@ -176,7 +187,7 @@ def _train(args) -> int:
 
     from . import train
 
-    data, meta = train.load_shards(args.dirs)
+    data, meta = train.load_shards(args.dirs, criterion=args.criterion)
     cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed)
     folds = min(5, len(data["problem"].unique())) if args.folds is None else args.folds
     cv = train.cross_validate(data, meta, cfg, folds) if folds else None  # first: a bad --folds fails fast
@@ -229,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
     b.set_defaults(func=_bench)
 
-    lb = sub.add_parser("label", help="label pivot tokens by rollouts (resumable, shardable)")
+    lb = sub.add_parser("label", help="label pivot tokens by path-following search or rollouts (resumable, shardable)")
     _add_task(lb, "train")
     _add_models(lb)
     lb.add_argument("--limit", type=int, help="only the first N problems of the file")
@@ -237,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--shard", help="i/n: label problems i, i+n, i+2n, ... (one job per shard)")
     lb.add_argument("--out", required=True, help="output folder (resumes what is there)")
     lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")
+    lb.add_argument("--method", choices=("rollout", "search"), default="rollout",
+                    help="search: follow the text PAD would decode, one greedy continuation per decision, "
+                         "batched across problems (pad.search); rollout: continuations from the target's own "
+                         "greedy text (pad.label)")
+    lb.add_argument("--batch", type=int, default=16, help="search: continuations decoded together")
     lb.add_argument("--rollouts", type=int, default=0, help="sampled rollouts per side (0: one greedy rollout)")
     lb.add_argument("--max-new-tokens", type=int, default=256)
     lb.add_argument("--max-rollout-tokens", type=int, default=256)
@@ -249,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train the pivot classifier on label folders")
     tr.add_argument("dirs", nargs="+", help="folders written by the label command")
     tr.add_argument("--out", required=True, help="classifier folder to write")
+    tr.add_argument("--criterion", choices=("same-answer", "correct"), default="same-answer",
+                    help="label of a search decision: pivot when the answer changes, or when a right answer "
+                         "turns wrong")
     tr.add_argument("--epochs", type=int, default=60)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--heldout", type=float, default=0.15, help="share of problems held out")

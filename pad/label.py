@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from . import jsonl
+from .decoder import left_padded
 from .generate import generate
 from .hf import LayerCapture, decoder_layer, eos_ids, forward_tail, shared_vocab_size
 from .registry import check_weights
@@ -64,7 +65,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return i, n
 
 
-def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
+def softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
     """logits [T, V], tokens [T] -> (p(token) [T], entropy [T]) in fp32.
 
     In chunks of positions: fp32 temporaries of a 500-token answer over a 152k vocabulary would take
@@ -83,13 +84,9 @@ def _softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
 def greedy_texts(model_policy: str, target, draft, prompts: list[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
     """The greedy continuations of several prompts ([1, P] each) by the target (or the draft, with
     ``model_policy="draft"``), decoded as one batch: each row is what it would be alone."""
-    rows = [p[0].tolist() for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    ids, mask = left_padded([p[0].tolist() for p in prompts])
     out = generate(target, draft, ids, attention_mask=mask, policy=model_policy, max_new_tokens=max_new_tokens)
+    width = ids.shape[1]
     return [out.sequences[i, width : width + int(n)].tolist() for i, n in enumerate(out.lengths)]
 
 
@@ -128,8 +125,8 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
     d_logits = forward_tail(draft, seq, T + 1).logits[0, :T, :vocab]
     new_t = torch.tensor(new)
     draft_tokens = d_logits.argmax(-1)
-    token_prob, entropy = _softmax_stats(t_logits, draft_tokens)
-    draft_prob, draft_entropy = _softmax_stats(d_logits, draft_tokens)
+    token_prob, entropy = softmax_stats(t_logits, draft_tokens)
+    draft_prob, draft_entropy = softmax_stats(d_logits, draft_tokens)
     mismatch = (draft_tokens != new_t).nonzero().flatten().tolist()
 
     g = torch.Generator().manual_seed(cfg.seed)

@@ -242,6 +242,15 @@ def humaneval_completion(problem: Problem, reply: str) -> str:
     return code
 
 
+def outcome(task: str, problem: Problem, reply: str) -> tuple[object, bool]:
+    """(the reply's outcome, is it right): GSM8K: the final number (None without one); HumanEval: pass/fail
+    is the outcome. Two replies with equal outcomes give the same answer."""
+    if task == "gsm8k":
+        return extract_answer(reply), gsm8k_correct(reply, problem.reference)
+    ok = correct(task, problem, reply)
+    return ok, ok
+
+
 def correct(task: str, problem: Problem, reply: str) -> bool:
     """The task's utility: is this model reply a right answer?"""
     if task == "gsm8k":

@@ -34,11 +34,15 @@ class TrainConfig:
     seed: int = 0
 
 
-def load_shards(dirs) -> tuple[dict, dict]:
+def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
     """All labeled positions of the given ``pad label`` folders -> (tensors, meta of the first folder).
 
     A problem labeled in more than one folder is taken from the first, so no position counts twice.
+    Folders of the search method keep both outcomes of each decision; ``criterion`` picks the label
+    (``pad.search.pivot_labels``).
     """
+    from .search import pivot_labels
+
     from safetensors.torch import load_file
 
     parts, metas, seen, read = [], [], set(), set()
@@ -55,6 +59,8 @@ def load_shards(dirs) -> tuple[dict, dict]:
                 if rec["file"] and rec["problem"] not in seen:
                     seen.add(rec["problem"])
                     t = load_file(str(d / rec["file"]))
+                    if "same_answer" in t:
+                        t["label"] = pivot_labels(t, criterion)
                     t["problem"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(rec["problem"].encode())
                     parts.append(t)
     keys = ("target", "draft", "weights", "layer")

@@ -165,3 +165,30 @@ def test_distribution_and_command_are_named_pad_decoding():
     assert scripts == {"pad-decoding": "pad.cli:main"}
     out = subprocess.run([sys.executable, "-m", "pad", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: pad-decoding")
+
+
+def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folders, tmp_path, capsys):
+    """pad-decoding label --method search writes a folder that train reads, with both criteria."""
+    from safetensors.torch import load_file
+
+    from pad import train
+
+    out = tmp_path / "search"
+    argv = ["label", "--method", "search", "--task", "gsm8k", "--data", SAMPLE, "--limit", "4", "--max-new-tokens",
+            "40", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32",
+            "--layer", "-1", "--batch", "3", "--out", str(out)]
+    assert main(argv) == 0
+    assert "labeled 4 problems" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["method"] == "search" and meta["weights"]["target"].startswith("folder:") and "batch" not in meta
+    index = [json.loads(line) for line in (out / "index-0of1.jsonl").read_text().splitlines()]
+    assert len(index) == 4 and sum(r["records"] for r in index) > 0
+    shard = load_file(str(out / next(r["file"] for r in index if r["file"])))
+    assert {"hidden", "token_prob", "entropy", "same_answer", "correct_before", "correct_after"} <= shard.keys()
+    # Another batch size resumes the same folder (it changes no record).
+    assert main([*argv[:-4], "--batch", "2", "--out", str(out)]) == 0
+    assert "(4 already done)" in capsys.readouterr().out
+    same, _ = train.load_shards([out], criterion="same-answer")
+    right, _ = train.load_shards([out], criterion="correct")
+    assert len(same["label"]) == len(right["label"]) == sum(r["records"] for r in index)
+    assert (right["label"] <= same["label"]).all()  # a right answer turned wrong always changed the answer

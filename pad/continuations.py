@@ -1,0 +1,159 @@
+"""Greedy continuations of many jobs as rows of one batch: rows leave when they finish, new jobs join.
+
+A job continues a text whose keys and values are already cached (``prefix``, a slice of some earlier
+cache: nothing is prefilled twice) by feeding its ``first`` tokens, then decodes greedily until an EOS or
+its budget. Joining jobs are first fed alone, as one small batch of their own (a long first input in
+the running batch would be computed for every row), and their caches are then merged into the running
+batch (``Decoder.add_rows``); every later step feeds one token per row. A finished row hands back its
+cache (``Decoder.row_cache``), so the caller can continue that text later without a prefill.
+
+A job with a ``draft_token`` feeds ``[token before the decision, draft token]``: the first of those two
+positions is where the target would verify the draft token, and the op ``verify_block`` computes the
+classifier's features there (hidden state at ``layer``, ``p_target(token)``, entropy) exactly as in
+decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pad_kernels import verify_block
+
+from .decoder import Decoder, left_pad
+from .hf import LayerCapture
+
+
+@dataclass
+class Job:
+    key: object  # the caller's handle
+    prefix: tuple | None  # (keys, values): per layer [H, n, D] of the cached text before ``first``, or None
+    first: list[int]  # tokens fed first
+    budget: int  # new tokens to decode at most after ``first`` (0: only feed it)
+    draft_token: int | None = None  # first == [x, draft_token]: features of the draft token at x
+    generated: list[int] = field(default_factory=list)
+    features: dict | None = None  # set when ``first`` has been fed
+
+
+@dataclass
+class Finished:
+    job: Job
+    cache: tuple  # (keys, values): per layer [H, n, D], the text up to the last token it fed
+    features: dict | None  # hidden [H], token_prob, entropy of the draft token, when it had one
+
+
+class Continuations:
+    def __init__(self, model, vocab: int, eos: set[int], layer: int, batch: int):
+        if batch < 1:
+            raise ValueError(f"the continuation batch must be at least 1, got {batch}")
+        self.model, self.vocab, self.eos, self.batch = model, vocab, eos, batch
+        self.device = next(model.parameters()).device
+        self.capture = LayerCapture(model, layer)
+        self.capture.keep = 2
+        self.main = Decoder(model, vocab, 0)
+        self.rows: list[Job] = []  # the job of each row of the running batch
+        self.queue: list[Job] = []
+
+    def close(self) -> None:
+        self.capture.remove()
+
+    def submit(self, job: Job) -> None:
+        self.queue.append(job)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.queue)
+
+    @torch.inference_mode()
+    def step(self) -> list[Finished]:
+        """Let queued jobs join (as far as the batch has room), then one greedy step of the running rows."""
+        done = []
+        room = self.batch - len(self.rows)
+        if room > 0 and self.queue:
+            joining, self.queue = self.queue[:room], self.queue[room:]
+            done += self._join(joining)
+        elif self.rows:
+            done += self._step()
+        return done
+
+    def _commit(self, job: Job, token: int) -> bool:
+        """Append the row's next token; True when the job is finished."""
+        if job.budget == 0 or (job.draft_token is not None and job.draft_token in self.eos and not job.generated):
+            return True  # a draft token that ends the text: nothing follows it
+        job.generated.append(token)
+        return token in self.eos or len(job.generated) >= job.budget
+
+    def _join(self, jobs: list[Job]) -> list[Finished]:
+        temp = Decoder(self.model, self.vocab, len(jobs))
+        widths = [0 if j.prefix is None else j.prefix[0][0].shape[1] for j in jobs]
+        if max(widths) > 0:
+            like = next(j.prefix for j in jobs if j.prefix is not None)
+            width = max(widths)
+            keys, values = [], []
+            for layer in range(len(like[0])):
+                H, _, D = like[0][layer].shape
+                k = like[0][layer].new_zeros((len(jobs), H, width, D))
+                v = like[1][layer].new_zeros((len(jobs), H, width, D))
+                for r, (job, w) in enumerate(zip(jobs, widths)):
+                    if w:
+                        k[r, :, width - w :], v[r, :, width - w :] = job.prefix[0][layer], job.prefix[1][layer]
+                keys.append(k)
+                values.append(v)
+            valid = torch.zeros((len(jobs), width), dtype=torch.bool)
+            for r, w in enumerate(widths):
+                valid[r, width - w :] = True
+            temp.add_rows(keys, values, valid)
+        # At least two columns, so that the verify position exists for every row (a hole before a
+        # one-token first input is masked out like left padding).
+        ids, fed = left_pad([j.first if len(j.first) > 1 else [0, *j.first] for j in jobs], self.device)
+        if any(len(j.first) == 1 for j in jobs):
+            fed = fed.clone()
+            for r, j in enumerate(jobs):
+                if len(j.first) == 1:
+                    fed[r, -2] = False
+        logits = temp.forward(ids, fed, keep=2)  # [R, 2, V]
+        hidden = self.capture.value  # [R, 2, H]
+        drafts = torch.tensor([[j.draft_token if j.draft_token is not None else 0] for j in jobs], device=self.device)
+        res = verify_block(logits, drafts)  # the features of each draft token, and the argmax after ``first``
+        host = torch.cat([res.argmax[:, 1], (~torch.isfinite(res.entropy[:, 1])).long()]).tolist()
+        tokens, bad = host[: len(jobs)], host[len(jobs) :]
+        if any(bad):
+            raise FloatingPointError("the model produced non-finite logits while continuing a text")
+        done, staying = [], []
+        for r, (job, token) in enumerate(zip(jobs, tokens)):
+            features = None
+            if job.draft_token is not None:
+                features = {"hidden": hidden[r, 0].clone(), "token_prob": float(res.token_prob[r, 0]),
+                            "entropy": float(res.entropy[r, 0])}
+            job.features = features
+            if self._commit(job, token):
+                done.append(Finished(job, temp.row_cache(r), features))
+            else:
+                staying.append(r)
+        if staying:
+            temp.select(staying)
+            self.main.add_rows([layer.keys for layer in temp.cache.layers],
+                               [layer.values for layer in temp.cache.layers], temp.valid_host)
+            self.rows += [jobs[r] for r in staying]
+        return done
+
+    def _step(self) -> list[Finished]:
+        ids, fed = left_pad([[j.generated[-1]] for j in self.rows], self.device)
+        logits = self.main.forward(ids, fed, keep=1)[:, -1]
+        host = torch.cat([logits.argmax(-1), (~torch.isfinite(logits).all(-1)).long()]).tolist()
+        tokens, bad = host[: len(self.rows)], host[len(self.rows) :]
+        if any(bad):
+            raise FloatingPointError("the model produced non-finite logits while continuing a text")
+        done, staying = [], []
+        for r, (job, token) in enumerate(zip(self.rows, tokens)):
+            if self._commit(job, token):
+                done.append(Finished(job, self.main.row_cache(r), job.features))
+            else:
+                staying.append(r)
+        if len(staying) < len(self.rows):
+            if staying:
+                self.main.select(staying)
+            else:
+                self.main = Decoder(self.model, self.vocab, 0)
+            self.rows = [self.rows[r] for r in staying]
+        return done

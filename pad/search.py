@@ -1,0 +1,198 @@
+"""Path-following pivot labels, batched across problems (the search AutoJudge uses, arXiv 2504.20039).
+
+For each problem the target decodes greedily: that is the current text. Walking it from the start, at the
+first position after the last decision where the draft's greedy token (teacher-forced on the current
+text) differs from the text, the draft token is put there and the target continues greedily to the end.
+If the continuation keeps the outcome (GSM8K: the same final number; HumanEval: the same pass/fail), the
+draft token is harmless (label 0) and the continuation becomes the current text, so later mismatches are
+found on it, the way pivot decoding would see them; otherwise it is a pivot (label 1) and the text stays.
+Each decision records the classifier's features at that position, computed on the shared prefix exactly
+as ``verify_block`` computes them in decoding (the target's hidden state at ``layer``, ``p_target`` of the
+draft token, the target entropy; the draft's own probability and entropy), and both outcomes (same answer;
+correct before and after), so that either criterion can be trained from one run. Problems the target
+answers wrong are labeled too.
+
+The continuations of many problems run as rows of one batch (``pad.continuations``): a problem's next
+decision joins as soon as its last one finished, from the cache of its current text (never prefilled
+again). The draft's teacher-forced pass over a text is cached per problem too: after a harmless decision
+at position t it is fed the new text from t on. Finished problems are written as the rollout labeler
+writes them (``pad.label.LabelWriter``): an interruption loses only the problems in flight.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .continuations import Continuations, Job
+from .hf import crop_cache, decoder_layer, eos_ids, forward_tail, shared_vocab_size
+from .label import LabelWriter, softmax_stats
+
+CRITERIA = ("same-answer", "correct")
+
+
+@dataclass
+class SearchConfig:
+    layer: int = -8
+    max_new_tokens: int = 512
+    batch: int = 16  # continuation rows decoded together
+    method: str = "search"
+
+
+def pivot_labels(tensors: dict, criterion: str) -> torch.Tensor:
+    """The pivot label of each decision: ``same-answer``: the continuation's outcome differs;
+    ``correct``: the text was right and the continuation is not."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"unknown criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+    if criterion == "same-answer":
+        return (1 - tensors["same_answer"]).to(torch.int8)
+    return (tensors["correct_before"] & (1 - tensors["correct_after"])).to(torch.int8)
+
+
+@dataclass
+class _Problem:
+    index: int
+    prompt: list[int]
+    outcome: Callable[[list[int]], tuple]  # tokens -> (answer key, correct)
+    started: float
+    text: list[int] = field(default_factory=list)
+    cache: tuple | None = None  # target keys/values of prompt + text (at least all but its last token)
+    key: object = None
+    correct: bool = False
+    pos: int = 0  # the next position a decision may be taken at
+    draft_cache: object = None  # the draft's DynamicCache of prompt + text
+    draft_top: list[int] = field(default_factory=list)  # the draft's greedy token at each text position
+    draft_prob: list[float] = field(default_factory=list)
+    draft_entropy: list[float] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+
+
+def _draft_pass(draft, vocab: int, p: _Problem, start: int) -> None:
+    """Teacher-force the draft on the text from position ``start`` on; its cache keeps what comes before.
+
+    Text token t sits at index P + t of prompt + text and is predicted by the logits at P + t - 1.
+    """
+    P, seq = len(p.prompt), p.prompt + p.text
+    if p.draft_cache is None or start == 0:
+        p.draft_cache, begin = None, 0
+    else:
+        crop_cache(p.draft_cache, P + start - 1)
+        begin = P + start - 1
+    ids = torch.tensor([seq[begin:]], device=next(draft.parameters()).device)
+    out = forward_tail(draft, ids, ids.shape[1], past_key_values=p.draft_cache, use_cache=True)
+    p.draft_cache = out.past_key_values
+    first = P + start - 1 - begin  # the row predicting text token ``start``
+    logits = out.logits[0, first : first + len(p.text) - start, :vocab]
+    top = logits.argmax(-1)
+    prob, entropy = softmax_stats(logits, top)
+    del p.draft_top[start:], p.draft_prob[start:], p.draft_entropy[start:]
+    p.draft_top += top.tolist()
+    p.draft_prob += prob.tolist()
+    p.draft_entropy += entropy.tolist()
+
+
+def _next_decision(p: _Problem, max_new_tokens: int) -> Job | None:
+    """The job of the problem's next decision, or None when its text holds no more mismatches."""
+    t = next((t for t in range(p.pos, len(p.text)) if p.draft_top[t] != p.text[t]), None)
+    if t is None:
+        return None
+    full = p.prompt + p.text
+    n = len(p.prompt) + t - 1  # cached columns kept: everything before the token preceding the decision
+    prefix = None if n == 0 else tuple([x[:, :n] for x in part] for part in p.cache)
+    return Job(key=(p.index, t), prefix=prefix, first=[full[n], p.draft_top[t]], budget=max_new_tokens - t - 1,
+               draft_token=p.draft_top[t])
+
+
+def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
+    if not p.records:
+        return {}
+    col = lambda name, dtype: torch.tensor([r[name] for r in p.records], dtype=dtype)  # noqa: E731
+    out = {
+        "hidden": torch.stack([r["hidden"] for r in p.records]).to(torch.float16).cpu().contiguous(),
+        "token_prob": col("token_prob", torch.float16),
+        "entropy": col("entropy", torch.float16),
+        "draft_prob": col("draft_prob", torch.float16),
+        "draft_entropy": col("draft_entropy", torch.float16),
+        "position": col("position", torch.int32),
+        "same_answer": col("same_answer", torch.int8),
+        "correct_before": col("correct_before", torch.int8),
+        "correct_after": col("correct_after", torch.int8),
+        "generated": torch.tensor([len(p.text)], dtype=torch.int32),
+        "mismatches": torch.tensor([len(p.records)], dtype=torch.int32),
+    }
+    out["label"] = pivot_labels(out, "same-answer")
+    return out
+
+
+@torch.inference_mode()
+def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[list[int]], tuple]], target, draft,
+        out_dir, cfg: SearchConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None,
+        progress: bool = True, start: int = 0) -> dict:
+    """Label the problems of this shard from index ``start`` on that the folder does not hold yet.
+
+    prompts: [1, P] token ids per problem; outcomes: tokens -> (answer key, correct) per problem (GSM8K:
+    the final number; HumanEval: pass/fail as the key). Returns a summary.
+    """
+    from tqdm.auto import tqdm
+
+    decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
+    # The batch size changes no record (rows decode as they would alone): a folder may resume with another.
+    writer = LabelWriter(out_dir, shard, {**(meta or {}), **{k: v for k, v in cfg.__dict__.items() if k != "batch"}})
+    mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
+    todo = [i for i in mine if problems[i].id not in writer.done]
+    summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
+    vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
+    engine = Continuations(target, vocab, eos, cfg.layer, cfg.batch)
+    active: dict[int, _Problem] = {}
+    waiting = iter(todo)
+    bar = tqdm(total=len(todo), desc="label (search)", unit="problem", disable=not progress)
+
+    def admit() -> None:
+        while len(active) < cfg.batch and (i := next(waiting, None)) is not None:
+            active[i] = _Problem(i, prompts[i][0].tolist(), outcomes[i], time.perf_counter())
+            engine.submit(Job(key=(i, None), prefix=None, first=active[i].prompt, budget=cfg.max_new_tokens))
+
+    def advance(p: _Problem) -> None:
+        job = _next_decision(p, cfg.max_new_tokens)
+        if job is not None:
+            engine.submit(job)
+            return
+        tensors = _tensors(p)
+        writer.write(p.index, problems[p.index].id, tensors, time.perf_counter() - p.started)
+        del active[p.index]
+        summary["problems"] += 1
+        summary["records"] += len(p.records)
+        summary["pivots"] += int(tensors["label"].sum()) if tensors else 0
+        bar.update(1)
+        bar.set_postfix(records=summary["records"], pivots=summary["pivots"])
+
+    try:
+        admit()
+        while engine.busy:
+            for done in engine.step():
+                i, t = done.job.key
+                p = active[i]
+                if t is None:  # the target's own greedy text
+                    p.text, p.cache = done.job.generated, done.cache
+                    p.key, p.correct = p.outcome(p.text)
+                    _draft_pass(draft, vocab, p, 0)
+                else:
+                    new = p.text[:t] + [done.job.draft_token] + done.job.generated
+                    key, correct = p.outcome(new)
+                    f = done.features
+                    p.records.append({"hidden": f["hidden"], "token_prob": f["token_prob"], "entropy": f["entropy"],
+                                      "draft_prob": p.draft_prob[t], "draft_entropy": p.draft_entropy[t],
+                                      "position": t, "same_answer": int(key == p.key),
+                                      "correct_before": int(p.correct), "correct_after": int(correct)})
+                    if key == p.key:  # harmless: the continuation becomes the text
+                        p.text, p.cache, p.correct = new, done.cache, correct
+                        _draft_pass(draft, vocab, p, t)
+                    p.pos = t + 1
+                advance(p)
+            admit()
+    finally:
+        engine.close()
+        bar.close()
+    return summary

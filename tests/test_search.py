@@ -1,0 +1,147 @@
+"""The path-following (search) labeler on tiny models with a stub outcome: it takes exactly the decisions
+a plain, cacheless walk of the rule takes, batched or not, and a killed job resumes without loss."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pad import search
+from pad.hf import LayerCapture, eos_ids
+from pad.tasks import Problem
+from pad_kernels import verify_block
+from tiny import greedy_from_scratch, tiny_pair
+
+CFG = search.SearchConfig(layer=-1, max_new_tokens=14, batch=4)
+INTS = ("position", "same_answer", "correct_before", "correct_after", "label", "generated", "mismatches")
+
+
+def _outcome(tokens):
+    """Stub task: the 'answer' is the sum of the last four tokens mod 3; 'right' when it is not 0."""
+    key = sum(tokens[-4:]) % 3
+    return key, key != 0
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, draft = tiny_pair("llama", scale=0.5)
+    g = torch.Generator().manual_seed(0)
+    problems = [Problem(f"p{i}", "q", "0") for i in range(6)]
+    prompts = [torch.randint(0, 96, (1, 3 + i % 3), generator=g) for i in range(6)]
+    return target, draft, problems, prompts
+
+
+def _read(out):
+    index = [json.loads(line) for line in (out / "index-0of1.jsonl").read_text().splitlines()]
+    return index, {r["problem"]: load_file(str(out / r["file"])) for r in index if r["file"]}
+
+
+@torch.inference_mode()
+def _walk(target, draft, prompt: list[int], max_new: int, layer: int):
+    """The rule, written plainly: full forwards without caches at every step."""
+    eos = eos_ids(target, None)
+    text = greedy_from_scratch(target, prompt, max_new, eos)
+    key, correct = _outcome(text)
+    pos, decisions = 0, []
+    while True:
+        logits = draft(torch.tensor([prompt + text])).logits[0]
+        top = logits[len(prompt) - 1 : len(prompt) - 1 + len(text)].argmax(-1).tolist()
+        t = next((t for t in range(pos, len(text)) if top[t] != text[t]), None)
+        if t is None:
+            return text, decisions
+        d = top[t]
+        tail = [] if d in eos or max_new - t - 1 == 0 else greedy_from_scratch(target, prompt + text[:t] + [d],
+                                                                               max_new - t - 1, eos)
+        new = text[:t] + [d] + tail
+        capture = LayerCapture(target, layer)
+        capture.keep = 2
+        res = verify_block(target(torch.tensor([prompt + text[:t] + [d]])).logits[:, -2:], torch.tensor([[d]]))
+        capture.remove()
+        q = torch.softmax(logits[len(prompt) - 1 + t].float(), -1)
+        new_key, new_correct = _outcome(new)
+        decisions.append({"position": t, "same_answer": int(new_key == key), "correct_before": int(correct),
+                          "correct_after": int(new_correct), "hidden": capture.value[0, 0],
+                          "token_prob": res.token_prob[0, 0], "entropy": res.entropy[0, 0], "draft_prob": q[d]})
+        if new_key == key:
+            text, correct = new, new_correct
+        pos = t + 1
+
+
+def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path, CFG, progress=False)
+    index, tensors = _read(tmp_path)
+    assert [r["problem"] for r in sorted(index, key=lambda r: r["index"])] == [p.id for p in problems]
+    kinds = switched = 0
+    for problem, prompt in zip(problems, prompts):
+        text, decisions = _walk(target, draft, prompt[0].tolist(), CFG.max_new_tokens, CFG.layer)
+        t = tensors.get(problem.id, {})
+        assert len(decisions) == (len(t["position"]) if t else 0), problem.id
+        if not decisions:
+            continue
+        assert int(t["generated"]) == len(text)  # the final text is the walk's: it switched where it should
+        for name in ("position", "same_answer", "correct_before", "correct_after"):
+            assert t[name].tolist() == [d[name] for d in decisions], (problem.id, name)
+        assert t["label"].tolist() == [1 - d["same_answer"] for d in decisions]
+        for name in ("hidden", "token_prob", "entropy", "draft_prob"):
+            want = torch.stack([torch.as_tensor(d[name]).float() for d in decisions]).half().float()
+            torch.testing.assert_close(t[name].float(), want, rtol=2e-3, atol=2e-3)
+        kinds += len(set(t["same_answer"].tolist())) == 2
+        # A decision after a harmless one is taken on the continuation (the text changed under it).
+        switched += any(d["same_answer"] for d in decisions[:-1])
+    assert kinds > 0 and switched > 0  # a planted pivot and a harmless token in one problem; a switch
+    assert summary["records"] == sum(len(t["position"]) for t in tensors.values())
+
+
+def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    for b in (1, 4):
+        cfg = search.SearchConfig(layer=-1, max_new_tokens=14, batch=b)
+        search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False)
+    (i1, t1), (i4, t4) = _read(tmp_path / "b1"), _read(tmp_path / "b4")
+    strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
+    assert strip(i1) == strip(i4) and t1.keys() == t4.keys()
+    for pid in t1:
+        for k in t1[pid]:
+            torch.testing.assert_close(t1[pid][k], t4[pid][k], rtol=0, atol=0 if k in INTS else 1e-3)
+
+
+def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    total = {"n": 0}
+
+    def counting(tokens):
+        total["n"] += 1
+        return _outcome(tokens)
+
+    search.run(problems, prompts, [counting] * 6, target, draft, tmp_path / "clean", CFG, progress=False)
+    calls = {"n": 0}
+
+    def dying(tokens):  # killed halfway through the clean run's work
+        calls["n"] += 1
+        if calls["n"] > total["n"] // 2:
+            raise KeyboardInterrupt
+        return _outcome(tokens)
+
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        search.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
+    partial, _ = _read(out)
+    assert 0 < len(partial) < 6
+    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    assert summary["skipped_done"] == len(partial)
+    (clean_index, clean), (index, tensors) = _read(tmp_path / "clean"), _read(out)
+    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each once
+    for pid, t in clean.items():
+        for k in t:
+            torch.testing.assert_close(tensors[pid][k], t[k], rtol=0, atol=0 if k in INTS else 1e-3)
+
+
+def test_criteria():
+    t = {"same_answer": torch.tensor([1, 0, 0, 1], dtype=torch.int8),
+         "correct_before": torch.tensor([1, 1, 0, 1], dtype=torch.int8),
+         "correct_after": torch.tensor([1, 0, 1, 0], dtype=torch.int8)}
+    assert search.pivot_labels(t, "same-answer").tolist() == [0, 1, 1, 0]
+    assert search.pivot_labels(t, "correct").tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="unknown criterion"):
+        search.pivot_labels(t, "vibes")
