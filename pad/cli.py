@@ -160,6 +160,8 @@ def _label(args) -> int:
     meta = {"task": args.task, "split": args.split, "target": args.target, "draft": args.draft,
             "weights": _weights(args), "dtype": args.dtype,
             "prompt": tasks.prompt_fingerprint(args.task), "utility": tasks.UTILITY_VERSION[args.task]}
+    if args.lookahead < 0:
+        raise ValueError(f"--lookahead must be at least 0, got {args.lookahead}")
     if args.rollout_batch < 1 or args.batch < 1:
         raise ValueError("--rollout-batch and --batch must be at least 1")
     if args.start < 0:
@@ -171,7 +173,8 @@ def _label(args) -> int:
             return tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))
 
         outcomes = [lambda tokens, p=problem: outcome(tokens, p) for problem in problems]
-        scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch)
+        scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                                    lookahead=args.lookahead)
         summary = search.run(problems, prompts, outcomes, target, draft, args.out, scfg, shard=shard, meta=meta,
                              start=args.start)
     else:
@@ -253,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "batched across problems (pad.search); rollout: continuations from the target's own "
                          "greedy text (pad.label)")
     lb.add_argument("--batch", type=int, default=16, help="search: continuations decoded together")
+    lb.add_argument("--lookahead", type=int, default=4,
+                    help="search: tokens guessed per continuation and step from the text it branched from "
+                         "(0: none; the tokens are greedy decoding's either way)")
     lb.add_argument("--rollouts", type=int, default=0, help="sampled rollouts per side (0: one greedy rollout)")
     lb.add_argument("--max-new-tokens", type=int, default=256)
     lb.add_argument("--max-rollout-tokens", type=int, default=256)

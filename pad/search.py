@@ -16,12 +16,16 @@ The continuations of many problems run as rows of one batch (``pad.continuations
 decision joins as soon as its last one finished, from the cache of its current text (never prefilled
 again). The draft's teacher-forced pass over a text is cached per problem too: after a harmless decision
 at position t it is fed the new text from t on. Finished problems are written as the rollout labeler
-writes them (``pad.label.LabelWriter``): an interruption loses only the problems in flight.
+writes them (``pad.label.LabelWriter``). A problem in flight is saved after each of its decisions
+(``partial/``: its current text, next position and records so far), so an interruption loses at most the
+continuations running at that moment; a resumed problem prefills its text once and goes on.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -38,7 +42,11 @@ class SearchConfig:
     layer: int = -8
     max_new_tokens: int = 512
     batch: int = 16  # continuation rows decoded together
+    lookahead: int = 4  # tokens guessed per row and step from the text a continuation branched from
     method: str = "search"
+
+    # Neither changes a record (rows decode as they would alone, guesses only save forwards).
+    SPEED_ONLY = ("batch", "lookahead")
 
 
 def pivot_labels(tensors: dict, criterion: str) -> torch.Tensor:
@@ -102,7 +110,49 @@ def _next_decision(p: _Problem, max_new_tokens: int) -> Job | None:
     n = len(p.prompt) + t - 1  # cached columns kept: everything before the token preceding the decision
     prefix = None if n == 0 else tuple([x[:, :n] for x in part] for part in p.cache)
     return Job(key=(p.index, t), prefix=prefix, first=[full[n], p.draft_top[t]], budget=max_new_tokens - t - 1,
-               draft_token=p.draft_top[t])
+               draft_token=p.draft_top[t], lookup=p.text[t:])
+
+
+_RECORD_FLOATS = ("token_prob", "entropy", "draft_prob", "draft_entropy")
+_RECORD_INTS = ("position", "same_answer", "correct_before", "correct_after")
+
+
+class _Partial:
+    """Problems in flight, one file each (``partial/NNNNNN.safetensors``): the current text, the next
+    decision position, the seconds spent and the records so far. Written atomically after every decision."""
+
+    def __init__(self, out_dir):
+        self.dir = Path(out_dir) / "partial"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, index: int) -> Path:
+        return self.dir / f"{index:06d}.safetensors"
+
+    def save(self, p: _Problem, seconds: float) -> None:
+        from safetensors.torch import save_file
+
+        t = {k: v for k, v in _tensors(p).items() if k not in ("label", "generated", "mismatches")}
+        t.update(text=torch.tensor(p.text, dtype=torch.int32), pos=torch.tensor([p.pos], dtype=torch.int32),
+                 seconds=torch.tensor([seconds], dtype=torch.float64))
+        tmp = self.path(p.index).with_suffix(".tmp")
+        save_file(t, str(tmp))
+        os.replace(tmp, self.path(p.index))
+
+    def load(self, p: _Problem) -> float | None:
+        """Restore ``p``'s text, position and records if it was in flight; returns the seconds spent."""
+        from safetensors.torch import load_file
+
+        if not self.path(p.index).is_file():
+            return None
+        t = load_file(str(self.path(p.index)))
+        p.text, p.pos = t["text"].tolist(), int(t["pos"])
+        for r in range(len(t.get("position", []))):
+            p.records.append({"hidden": t["hidden"][r], **{k: float(t[k][r]) for k in _RECORD_FLOATS},
+                              **{k: int(t[k][r]) for k in _RECORD_INTS}})
+        return float(t["seconds"])
+
+    def remove(self, index: int) -> None:
+        self.path(index).unlink(missing_ok=True)
 
 
 def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
@@ -138,44 +188,57 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     from tqdm.auto import tqdm
 
     decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
-    # The batch size changes no record (rows decode as they would alone): a folder may resume with another.
-    writer = LabelWriter(out_dir, shard, {**(meta or {}), **{k: v for k, v in cfg.__dict__.items() if k != "batch"}})
+    # Speed settings change no record: a folder may resume with others.
+    writer = LabelWriter(out_dir, shard, {**(meta or {}),
+                                          **{k: v for k, v in cfg.__dict__.items() if k not in cfg.SPEED_ONLY}})
+    partial = _Partial(out_dir)
     mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
     todo = [i for i in mine if problems[i].id not in writer.done]
     summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
     vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
-    engine = Continuations(target, vocab, eos, cfg.layer, cfg.batch)
+    engine = Continuations(target, vocab, eos, cfg.layer, cfg.batch, cfg.lookahead)
     active: dict[int, _Problem] = {}
     waiting = iter(todo)
     bar = tqdm(total=len(todo), desc="label (search)", unit="problem", disable=not progress)
 
     def admit() -> None:
         while len(active) < cfg.batch and (i := next(waiting, None)) is not None:
-            active[i] = _Problem(i, prompts[i][0].tolist(), outcomes[i], time.perf_counter())
-            engine.submit(Job(key=(i, None), prefix=None, first=active[i].prompt, budget=cfg.max_new_tokens))
+            p = active[i] = _Problem(i, prompts[i][0].tolist(), outcomes[i], time.perf_counter())
+            spent = partial.load(p)
+            if spent is None:
+                engine.submit(Job(key=(i, None), prefix=None, first=p.prompt, budget=cfg.max_new_tokens,
+                                  lookup=p.prompt))
+            else:  # in flight when the last run stopped: prefill its current text once (budget 0)
+                p.started -= spent
+                engine.submit(Job(key=(i, "resume"), prefix=None, first=p.prompt + p.text, budget=0))
 
     def advance(p: _Problem) -> None:
         job = _next_decision(p, cfg.max_new_tokens)
         if job is not None:
             engine.submit(job)
+            partial.save(p, time.perf_counter() - p.started)
             return
         tensors = _tensors(p)
         writer.write(p.index, problems[p.index].id, tensors, time.perf_counter() - p.started)
+        partial.remove(p.index)
         del active[p.index]
         summary["problems"] += 1
         summary["records"] += len(p.records)
         summary["pivots"] += int(tensors["label"].sum()) if tensors else 0
         bar.update(1)
-        bar.set_postfix(records=summary["records"], pivots=summary["pivots"])
 
+    decisions = 0
     try:
         admit()
         while engine.busy:
             for done in engine.step():
                 i, t = done.job.key
                 p = active[i]
-                if t is None:  # the target's own greedy text
-                    p.text, p.cache = done.job.generated, done.cache
+                if t is None or t == "resume":  # the target's own greedy text, or a text resumed
+                    if t is None:
+                        p.text = done.job.generated
+                    p.cache = done.cache
+                    # A resumed text kept the greedy text's answer (it only switched to same-answer texts).
                     p.key, p.correct = p.outcome(p.text)
                     _draft_pass(draft, vocab, p, 0)
                 else:
@@ -190,7 +253,11 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                         p.text, p.cache, p.correct = new, done.cache, correct
                         _draft_pass(draft, vocab, p, t)
                     p.pos = t + 1
+                decisions += t is not None and t != "resume"
                 advance(p)
+                bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
+                                rows=len(engine.rows), tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}",
+                                refresh=False)
             admit()
     finally:
         engine.close()

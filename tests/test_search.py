@@ -96,7 +96,8 @@ def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path):
 def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_path):
     target, draft, problems, prompts = setup
     for b in (1, 4):
-        cfg = search.SearchConfig(layer=-1, max_new_tokens=14, batch=b)
+        # One problem at a time without guessed tokens, against batched with them.
+        cfg = search.SearchConfig(layer=-1, max_new_tokens=14, batch=b, lookahead=0 if b == 1 else 4)
         search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False)
     (i1, t1), (i4, t4) = _read(tmp_path / "b1"), _read(tmp_path / "b4")
     strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
@@ -128,8 +129,20 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
         search.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
     partial, _ = _read(out)
     assert 0 < len(partial) < 6
-    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    in_flight = len(list((out / "partial").glob("*.safetensors")))
+    assert in_flight > 0
+    resumed = {"n": 0}
+
+    def again(tokens):
+        resumed["n"] += 1
+        return _outcome(tokens)
+
+    summary = search.run(problems, prompts, [again] * 6, target, draft, out, CFG, progress=False)
     assert summary["skipped_done"] == len(partial)
+    # Every decision taken before the kill was kept: the resumed run redoes only the interrupted one, plus
+    # one outcome per resumed text.
+    assert resumed["n"] == total["n"] - (calls["n"] - 1) + in_flight
+    assert not list((out / "partial").glob("*"))
     (clean_index, clean), (index, tensors) = _read(tmp_path / "clean"), _read(out)
     assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each once
     for pid, t in clean.items():

@@ -1,0 +1,71 @@
+"""The continuation engine's guessed tokens (prompt lookup): continuations stay exactly greedy decoding's
+whatever the guesses, and good guesses save forwards."""
+import random
+
+import pytest
+import torch
+
+from pad.continuations import Continuations, Job
+from pad.hf import eos_ids
+from tiny import greedy_from_scratch, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=3)
+
+
+def _run(model, jobs, lookahead, batch=4):
+    engine = Continuations(model, 96, eos_ids(model, None), -1, batch, lookahead)
+    for job in jobs:
+        engine.submit(job)
+    out = {}
+    while engine.busy:
+        for done in engine.step():
+            out[done.job.key] = (done.job.generated, done.cache)
+    engine.close()
+    return out, engine
+
+
+@pytest.mark.parametrize("seed", range(3))
+@torch.inference_mode()
+def test_guesses_never_change_the_tokens(model, seed):
+    rng = random.Random(seed)
+    eos = eos_ids(model, None)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 8))] for _ in range(7)]
+    budgets = [rng.randint(1, 24) for _ in prompts]
+    want = [greedy_from_scratch(model, p, b, eos) for p, b in zip(prompts, budgets)]
+    # Guesses from the right text (all agree), a shifted copy of it, and noise.
+    lookups = [want[0], want[1][2:], [rng.randrange(96) for _ in range(30)], [], want[4][:5] + want[4],
+               want[5][1:] + [3, 4], prompts[6]]
+    jobs = [Job(key=i, prefix=None, first=p, budget=b, lookup=lk)
+            for i, (p, b, lk) in enumerate(zip(prompts, budgets, lookups))]
+    got, engine = _run(model, jobs, lookahead=rng.choice([1, 3, 6]))
+    for i, (p, w) in enumerate(zip(prompts, want)):
+        generated, (keys, _) = got[i]
+        assert generated == w, i
+        # The cache holds the text (rejected guesses are gone): the prompt, then all tokens but maybe the last.
+        assert keys[0].shape[1] in (len(p) + len(w) - 1, len(p) + len(w)), i
+    assert engine.tokens >= engine.forwards
+
+
+@torch.inference_mode()
+def test_right_guesses_save_forwards_and_keep_the_cache_right(model):
+    eos = eos_ids(model, None)
+    prompt = [5, 17, 42]
+    want = greedy_from_scratch(model, prompt, 30, eos)
+    plain, e0 = _run(model, [Job(key=0, prefix=None, first=prompt, budget=30)], lookahead=0)
+    guessed, e4 = _run(model, [Job(key=0, prefix=None, first=prompt, budget=30, lookup=want)], lookahead=4)
+    assert plain[0][0] == guessed[0][0] == want
+    assert e0.forwards == len(want) - 1 and e4.forwards <= -(-(len(want) - 1) // 5) + 1
+    # A continuation from the guessed run's cache equals one from a fresh prefill of the same text.
+    keys, values = guessed[0][1]
+    n = len(prompt) + len(want) - 1
+    prefix = ([k[:, :n] for k in keys], [v[:, :n] for v in values])
+    follow, _ = _run(model, [Job(key=1, prefix=prefix, first=[want[-1]], budget=6)], lookahead=0)
+    assert follow[1][0] == greedy_from_scratch(model, prompt + want, 6, eos)
+
+
+def test_bad_lookahead_is_refused(model):
+    with pytest.raises(ValueError, match="lookahead"):
+        Continuations(model, 96, set(), -1, 4, lookahead=-1)
