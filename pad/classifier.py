@@ -14,6 +14,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "pad-pivot-classifier"
 FORMAT_VERSION = 1
+KINDS = ("mlp", "linear")
 
 
 class PivotClassifier(nn.Module):
@@ -23,8 +24,10 @@ class PivotClassifier(nn.Module):
     indexing over the decoder blocks: -8 is the eighth block from the top; the block's output is used)
     and the features ``f`` [F] = (``p_target(token)``, entropy of ``p_target``). Both are first
     standardized with the buffers ``input_mean`` / ``input_scale`` [H + F] (set by training).
-    Architecture: ``h -> Linear(H, 64)``, ``f -> Linear(F, 16)``, concat -> ``Linear(80, 128) -> ReLU ->
+    ``kind="mlp"``: ``h -> Linear(H, 64)``, ``f -> Linear(F, 16)``, concat -> ``Linear(80, 128) -> ReLU ->
     Linear(128, 2)``; logit 1 is the pivot class, so ``pivot_prob = softmax(logits)[1]``.
+    ``kind="linear"``: logistic regression, ``pivot_prob = sigmoid(Linear(H + F, 1)([h; f]))`` (logits
+    ``[0, score]``). Both fold exactly into the op's one-hidden-layer form (``fold``).
     """
 
     def __init__(
@@ -39,8 +42,11 @@ class PivotClassifier(nn.Module):
         target_model: str | None = None,
         draft_model: str | None = None,
         weights: dict | None = None,
+        kind: str = "mlp",
     ):
         super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unknown classifier kind {kind!r}; choose one of {', '.join(KINDS)}")
         if tuple(feature_names) != FEATURE_NAMES:
             raise ValueError(f"feature_names must be {FEATURE_NAMES} (what the verification op computes), got {feature_names}")
         if hidden_size < 1:
@@ -53,10 +59,14 @@ class PivotClassifier(nn.Module):
         # {"target": identity, "draft": identity} of the weights its labels were made with (see
         # pad.registry.weights_identity); None when unknown.
         self.weights = dict(weights) if weights else None
+        self.kind = kind
         num_features = len(self.feature_names)
-        self.hidden_proj = nn.Linear(hidden_size, hidden_dim)
-        self.feature_proj = nn.Linear(num_features, feature_dim)
-        self.mlp = nn.Sequential(nn.Linear(hidden_dim + feature_dim, mlp_dim), nn.ReLU(), nn.Linear(mlp_dim, 2))
+        if kind == "linear":
+            self.linear = nn.Linear(hidden_size + num_features, 1)
+        else:
+            self.hidden_proj = nn.Linear(hidden_size, hidden_dim)
+            self.feature_proj = nn.Linear(num_features, feature_dim)
+            self.mlp = nn.Sequential(nn.Linear(hidden_dim + feature_dim, mlp_dim), nn.ReLU(), nn.Linear(mlp_dim, 2))
         self.register_buffer("input_mean", torch.zeros(hidden_size + num_features))
         self.register_buffer("input_scale", torch.ones(hidden_size + num_features))
 
@@ -64,15 +74,20 @@ class PivotClassifier(nn.Module):
     def config(self) -> dict:
         from pad import __version__
 
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "hidden_size": self.hidden_size,
-            "layer": self.layer,
-            "feature_names": list(self.feature_names),
+        # A config without "kind" is an MLP (the only kind of the first classifiers).
+        dims = {} if self.kind == "linear" else {
             "hidden_dim": self.hidden_proj.out_features,
             "feature_dim": self.feature_proj.out_features,
             "mlp_dim": self.mlp[0].out_features,
+        }
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            **({"kind": self.kind} if self.kind != "mlp" else {}),
+            "hidden_size": self.hidden_size,
+            "layer": self.layer,
+            "feature_names": list(self.feature_names),
+            **dims,
             "target_model": self.target_model,
             "draft_model": self.draft_model,
             "weights": self.weights,
@@ -82,6 +97,9 @@ class PivotClassifier(nn.Module):
     def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], features [..., F] -> logits [..., 2] (index 1: pivot)."""
         x = (torch.cat([hidden, features], -1).to(self.input_mean.dtype) - self.input_mean) / self.input_scale
+        if self.kind == "linear":
+            score = self.linear(x)
+            return torch.cat([torch.zeros_like(score), score], -1)
         h, f = x.split([self.hidden_size, len(self.feature_names)], -1)
         return self.mlp(torch.cat([self.hidden_proj(h), self.feature_proj(f)], -1))
 
@@ -106,6 +124,13 @@ class PivotClassifier(nn.Module):
 
     @torch.no_grad()
     def _fold(self) -> FoldedClassifier:
+        if self.kind == "linear":
+            # score = relu(s) - relu(-s) with s = w . x + b: W1 = [w, -w], b1 = [b, -b], w2 = [1, -1].
+            w = self.linear.weight[0].double() / self.input_scale.double()
+            b = self.linear.bias[0].double() - w @ self.input_mean.double()
+            one = torch.ones((), dtype=torch.float64, device=w.device)
+            return FoldedClassifier(*(t.float() for t in (torch.stack([w, -w], 1), torch.stack([b, -b]),
+                                                           torch.stack([one, -one]), 0 * one)))
         first, out = self.mlp[0], self.mlp[2]
         wm = first.weight.double()  # [D, 64 + 16]
         wm_h, wm_f = wm[:, : self.hidden_proj.out_features], wm[:, self.hidden_proj.out_features :]
@@ -190,13 +215,14 @@ class PivotClassifier(nn.Module):
         if config.get("version") != FORMAT_VERSION:
             raise ValueError(f"classifier format version {config.get('version')} is not supported (expected {FORMAT_VERSION})")
         try:
+            kind = config.get("kind", "mlp")
+            dims = {} if kind == "linear" else {k: config[k] for k in ("hidden_dim", "feature_dim", "mlp_dim")}
             model = cls(
                 config["hidden_size"],
                 layer=config["layer"],
                 feature_names=config["feature_names"],
-                hidden_dim=config["hidden_dim"],
-                feature_dim=config["feature_dim"],
-                mlp_dim=config["mlp_dim"],
+                kind=kind,
+                **dims,
                 target_model=config.get("target_model"),
                 draft_model=config.get("draft_model"),
                 weights=config.get("weights"),

@@ -191,12 +191,11 @@ def _train(args) -> int:
     from . import train
 
     data, meta = train.load_shards(args.dirs, criterion=args.criterion)
-    cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed)
+    cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed, model=args.model)
     folds = min(5, len(data["problem"].unique())) if args.folds is None else args.folds
-    cv = train.cross_validate(data, meta, cfg, folds) if folds else None  # first: a bad --folds fails fast
-    clf, report = train.train(data, meta, cfg)
-    if cv:
-        report["cross_validation"] = cv
+    if args.model == "auto" and not folds:
+        raise ValueError("--model auto chooses by cross-validation: it needs --folds of at least 2")
+    clf, report = train.select_and_train(data, meta, cfg, folds)
     out = train.save(clf, report, args.out, command=f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv))
     print(train.report_markdown(report))
     print(f"saved the classifier to {out}")
@@ -278,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--heldout", type=float, default=0.15, help="share of problems held out")
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--model", choices=("mlp", "linear", "auto"), default="auto",
+                    help="mlp; linear (logistic regression, L2 chosen by cross-validation); auto: the one with the "
+                         "higher cross-validated AUROC")
     tr.add_argument("--folds", type=int, default=None,
                     help="also report an AUROC cross-validated over this many folds of problems "
                          "(default 5, or one per problem when fewer; 0: off)")

@@ -1,11 +1,15 @@
 """Train the pivot classifier on labeled shards (``pad label``) and report how well it separates pivots.
 
 Held-out split by problem (never by position: positions of one problem are alike), inputs standardized
-with training statistics, class-balanced cross-entropy, AdamW, the checkpoint with the lowest held-out
-loss kept. The report (AUROC; at each sigma the pivot precision and recall and the share of non-pivots
-accepted) is saved beside the weights as ``report.json`` and ``report.md``. With few labeled problems one
-held-out split says little, so the report can add a cross-validated AUROC (``cross_validate``): every
-problem is scored once by a classifier trained, the same way, without it.
+with training statistics, class-balanced losses. Two kinds (``TrainConfig.model``): ``mlp`` (AdamW, the
+checkpoint with the lowest held-out loss kept) and ``linear`` (logistic regression whose L2 strength is
+chosen by cross-validation over the training problems, then fit on all of them by L-BFGS); ``auto`` keeps
+the kind with the higher cross-validated AUROC (``select_and_train``). The report (AUROC; at each sigma the
+pivot precision and recall and the share of non-pivots accepted) is saved beside the weights as
+``report.json`` and ``report.md``. One held-out split says little, so the report adds a cross-validated
+AUROC (``cross_validate``): every problem is scored once by a classifier trained, the same way, without
+it, with a 95% bootstrap interval over problems, each single feature's AUROC over the same positions and
+the interval of the difference to the best of them.
 """
 from __future__ import annotations
 
@@ -32,6 +36,13 @@ class TrainConfig:
     heldout: float = 0.15  # share of problems held out
     patience: int = 15  # epochs without a better held-out loss before stopping
     seed: int = 0
+    model: str = "mlp"  # mlp | linear (auto: see select_and_train)
+    l2_grid: tuple = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # linear: L2 strengths tried
+    inner_folds: int = 3  # linear: folds of the training problems that choose the L2 strength
+    bootstrap: int = 2000  # resamples of problems for the report's intervals
+
+
+MODELS = ("mlp", "linear", "auto")
 
 
 def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
@@ -69,17 +80,57 @@ def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
             raise ValueError(f"label folders disagree on {keys}: {metas[0]} vs {m}")
     if not parts:
         raise ValueError(f"no labeled positions in {', '.join(map(str, dirs))}")
-    data = {k: torch.cat([p[k] for p in parts]) for k in ("hidden", "token_prob", "entropy", "label", "problem")}
+    keys = ["hidden", "token_prob", "entropy", "label", "problem"]
+    keys += [k for k in ("draft_prob", "draft_entropy") if all(k in p for p in parts)]
+    data = {k: torch.cat([p[k] for p in parts]) for k in keys}
     return data, {**metas[0], "folders": [str(d) for d in dirs], "problems_read": len(read)}
 
 
-def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (pivot = positive), ties counted half; NaN with one class only."""
-    pos, neg = scores[labels == 1], scores[labels == 0]
-    if len(pos) == 0 or len(neg) == 0:
-        return math.nan
-    greater = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
-    return float(greater / (len(pos) * len(neg)))
+def auroc(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> float | torch.Tensor:
+    """Area under the ROC curve (pivot = positive), ties counted half; NaN with one class only.
+
+    scores, labels [N]; ``weights`` [N] or [R, N] (per-position multiplicities, for example of a bootstrap
+    resample) gives one AUROC per row as a tensor [R]. Rank based: O(N log N), not pairwise.
+    """
+    order = torch.argsort(scores.double())
+    s, y = scores.double()[order], labels[order] == 1
+    _, group = torch.unique_consecutive(s, return_inverse=True)  # tied scores share a group
+    w = torch.ones(1, len(s), dtype=torch.float64) if weights is None else weights.double().reshape(-1, len(s))[:, order]
+    G = int(group.max()) + 1 if len(s) else 0
+    pos = torch.zeros(w.shape[0], G, dtype=torch.float64).index_add_(1, group[y], w[:, y])
+    neg = torch.zeros(w.shape[0], G, dtype=torch.float64).index_add_(1, group[~y], w[:, ~y])
+    below = neg.cumsum(1) - neg  # negative weight strictly below each group
+    total = pos.sum(1) * neg.sum(1)
+    area = (pos * (below + 0.5 * neg)).sum(1) / total
+    area = torch.where(total > 0, area, torch.full_like(area, math.nan))
+    return float(area[0]) if weights is None or weights.dim() == 1 else area
+
+
+def single_features(data: dict) -> dict[str, torch.Tensor]:
+    """Each stored feature as a pivot score, oriented so that higher means "more likely a pivot" by its
+    meaning (a less likely or more uncertain token), not by the labels."""
+    out = {"1 - p_target(token)": 1 - data["token_prob"].float(), "entropy": data["entropy"].float()}
+    if "draft_prob" in data:
+        out["1 - p_draft(token)"] = 1 - data["draft_prob"].float()
+        out["draft entropy"] = data["draft_entropy"].float()
+    return out
+
+
+def bootstrap(scores: dict[str, torch.Tensor], labels: torch.Tensor, problems: torch.Tensor, reference: str,
+              resamples: int = 2000, seed: int = 0) -> dict:
+    """95% percentile intervals of each score's AUROC and of its difference to ``reference``'s, resampling
+    problems with replacement (positions of one problem move together; the same resamples for all)."""
+    ids, inverse = problems.unique(return_inverse=True)
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, len(ids), (resamples, len(ids)), generator=g)
+    counts = torch.zeros(resamples, len(ids), dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(resamples, len(ids), dtype=torch.float64))
+    weights = counts[:, inverse]  # [R, N]
+    areas = {name: auroc(s, labels, weights) for name, s in scores.items()}
+    ci = lambda a: [float(x) for x in torch.nanquantile(a, torch.tensor([0.025, 0.975], dtype=a.dtype))]  # noqa: E731
+    return {"resamples": resamples,
+            "auroc_ci": {name: ci(a) for name, a in areas.items()},
+            "difference_ci": {name: ci(areas[name] - areas[reference]) for name in scores if name != reference}}
 
 
 def sigma_table(pivot_prob: torch.Tensor, labels: torch.Tensor) -> list[dict]:
@@ -102,10 +153,59 @@ def _inputs(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return data["hidden"].float(), torch.stack([data["token_prob"].float(), data["entropy"].float()], -1)
 
 
+def _logistic(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class-balanced logistic regression on standardized x [N, D] (fp64), labels y [N] in {0, 1}:
+    minimizes mean weighted log-loss + l2 / 2 * |w|^2 (the bias is not penalized) by L-BFGS -> (w [D], b)."""
+    counts = torch.bincount(y, minlength=2).double()
+    sample = (counts.sum() / (2 * counts))[y]
+    sample = sample / sample.sum()
+    yf = y.double()
+    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1, max_iter=500, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = (sample * nn.functional.binary_cross_entropy_with_logits(x @ w + b, yf, reduction="none")).sum()
+        loss = loss + 0.5 * l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    return w.detach(), b.detach()
+
+
+def _choose_l2(x: torch.Tensor, y: torch.Tensor, problems: torch.Tensor, cfg: TrainConfig) -> tuple[float, dict]:
+    """The L2 strength with the highest pooled out-of-fold AUROC over ``cfg.inner_folds`` folds of problems
+    (ties: the stronger one) -> (l2, {l2: AUROC})."""
+    ids = problems.unique()
+    folds = min(cfg.inner_folds, len(ids))
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    groups = ids[torch.randperm(len(ids), generator=g)].tensor_split(folds)
+    scores = {l2: torch.full(y.shape, math.nan, dtype=torch.float64) for l2 in cfg.l2_grid}
+    for group in groups:
+        test = torch.isin(problems, group)
+        if y[~test].unique().numel() < 2:
+            continue  # a fold whose rest has one class only scores nothing
+        for l2 in cfg.l2_grid:
+            w, b = _logistic(x[~test], y[~test], l2)
+            scores[l2][test] = x[test] @ w + b
+    table = {}
+    for l2, sc in scores.items():
+        seen = ~torch.isnan(sc)
+        table[l2] = auroc(sc[seen], y[seen]) if seen.any() else math.nan
+    best = max(sorted(cfg.l2_grid, reverse=True), key=lambda l2: -math.inf if math.isnan(table[l2]) else table[l2])
+    return best, table
+
+
 def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bool = True):
-    """-> (best PivotClassifier, report dict)."""
+    """-> (trained PivotClassifier of kind ``cfg.model``, report dict)."""
     from tqdm.auto import tqdm
 
+    if cfg.model not in ("mlp", "linear"):
+        raise ValueError(f"train() fits an mlp or a linear classifier, got {cfg.model!r} (auto: select_and_train)")
     torch.manual_seed(cfg.seed)
     hidden, features = _inputs(data)
     labels = data["label"].long()
@@ -118,50 +218,62 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
         raise ValueError("the training split needs both pivots and non-pivots")
 
     clf = PivotClassifier(hidden.shape[1], layer=meta.get("layer", -8), target_model=meta.get("target"),
-                          draft_model=meta.get("draft"), weights=meta.get("weights"))
+                          draft_model=meta.get("draft"), weights=meta.get("weights"), kind=cfg.model)
     x = torch.cat([hidden, features], -1)
     with torch.no_grad():
         clf.input_mean.copy_(x[tr].mean(0))
         clf.input_scale.copy_(x[tr].std(0).clamp_min(1e-4))
     counts = torch.bincount(labels[tr], minlength=2).float()
     loss_fn = nn.CrossEntropyLoss(weight=counts.sum() / (2 * counts))  # class-balanced
-    opt = torch.optim.AdamW(clf.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    idx = tr.nonzero().flatten()
-    best, best_loss, best_epoch, stale, history = None, math.inf, 0, 0, []
-    bar = tqdm(range(cfg.epochs), desc="train", unit="epoch", disable=not progress)
-    for epoch in bar:
-        clf.train()
-        for batch in idx[torch.randperm(len(idx), generator=g)].split(cfg.batch_size):
-            opt.zero_grad()
-            loss = loss_fn(clf(hidden[batch], features[batch]), labels[batch])
-            loss.backward()
-            opt.step()
-        clf.eval()
+    fit = {}
+    if cfg.model == "linear":
+        xs = ((x.double() - clf.input_mean.double()) / clf.input_scale.double())
+        l2, table = _choose_l2(xs[tr], labels[tr], data["problem"][tr], cfg)
+        w, b = _logistic(xs[tr], labels[tr], l2)
         with torch.no_grad():
-            held_loss = float(loss_fn(clf(hidden[ho], features[ho]), labels[ho])) if ho.any() else float(loss)
-        history.append(held_loss)
-        bar.set_postfix(heldout_loss=f"{held_loss:.4f}")
-        if held_loss < best_loss - 1e-6:
-            best_loss, best_epoch, stale = held_loss, epoch + 1, 0
-            best = {k: v.clone() for k, v in clf.state_dict().items()}
-        else:
-            stale += 1
-            if stale >= cfg.patience:
-                break
-    clf.load_state_dict(best)
+            clf.linear.weight.copy_(w[None].float())
+            clf.linear.bias.copy_(b[None].float())
+            best_loss = float(loss_fn(clf(hidden[ho], features[ho]), labels[ho])) if ho.any() else math.nan
+        fit = {"l2": l2, "l2_auroc": {str(k): v for k, v in table.items()}}
+    else:
+        opt = torch.optim.AdamW(clf.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        idx = tr.nonzero().flatten()
+        best, best_loss, best_epoch, stale, history = None, math.inf, 0, 0, []
+        bar = tqdm(range(cfg.epochs), desc="train", unit="epoch", disable=not progress)
+        for epoch in bar:
+            clf.train()
+            for batch in idx[torch.randperm(len(idx), generator=g)].split(cfg.batch_size):
+                opt.zero_grad()
+                loss = loss_fn(clf(hidden[batch], features[batch]), labels[batch])
+                loss.backward()
+                opt.step()
+            clf.eval()
+            with torch.no_grad():
+                held_loss = float(loss_fn(clf(hidden[ho], features[ho]), labels[ho])) if ho.any() else float(loss)
+            history.append(held_loss)
+            bar.set_postfix(heldout_loss=f"{held_loss:.4f}")
+            if held_loss < best_loss - 1e-6:
+                best_loss, best_epoch, stale = held_loss, epoch + 1, 0
+                best = {k: v.clone() for k, v in clf.state_dict().items()}
+            else:
+                stale += 1
+                if stale >= cfg.patience:
+                    break
+        clf.load_state_dict(best)
+        fit = {"best_epoch": best_epoch, "epochs_run": len(history)}
     clf.eval()
     with torch.no_grad():
         prob = clf.pivot_prob(hidden[ho], features[ho])
     report = {
+        "model": cfg.model,
         "positions": {"train": int(tr.sum()), "heldout": int(ho.sum())},
         "problems": {"train": int(len(problems) - len(held)), "heldout": int(len(held))},
         "pivots": {"train": int(labels[tr].sum()), "heldout": int(labels[ho].sum())},
         "best_heldout_loss": best_loss,
-        "best_epoch": best_epoch,
-        "epochs_run": len(history),
+        **fit,
         "heldout_auroc": auroc(prob, labels[ho]),
         "sigmas": sigma_table(prob, labels[ho]),
-        "config": cfg.__dict__,
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
         "label_meta": meta,
     }
     return clf, report
@@ -189,11 +301,42 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
         with torch.no_grad():
             prob[test] = clf.pivot_prob(*_inputs({k: v[test] for k, v in data.items()}))
     labels = data["label"].long()
-    # What the classifier must beat: each feature alone, as a score over the same positions.
-    baselines = {"1 - p_target(token)": auroc(1 - data["token_prob"].float(), labels),
-                 "entropy": auroc(data["entropy"].float(), labels)}
-    return {"folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
-            "auroc": auroc(prob, labels), "sigmas": sigma_table(prob, labels), "baselines": baselines}
+    # What the classifier must beat: each feature alone, as a score over the same positions. The best is
+    # taken over both orientations of each feature (chosen after seeing the labels: kind to the baselines).
+    features = single_features(data)
+    baselines = {name: auroc(f, labels) for name, f in features.items()}
+    best = max(baselines, key=lambda n: max(baselines[n], 1 - baselines[n]))
+    oriented = features[best] if baselines[best] >= 0.5 else -features[best]
+    boot = bootstrap({"classifier": prob, **features, "best single feature": oriented}, labels, data["problem"],
+                     "classifier", cfg.bootstrap, cfg.seed)
+    return {"model": cfg.model, "folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
+            "problems": len(problems), "auroc": auroc(prob, labels), "auroc_ci": boot["auroc_ci"]["classifier"],
+            "baselines": baselines, "baselines_ci": {n: boot["auroc_ci"][n] for n in baselines},
+            "best_single_feature": {"name": best, "auroc": max(baselines[best], 1 - baselines[best]),
+                                    "difference": auroc(prob, labels) - max(baselines[best], 1 - baselines[best]),
+                                    # classifier minus best feature; the bootstrap stores feature - classifier
+                                    "difference_ci": sorted(-v for v in boot["difference_ci"]["best single feature"])},
+            "bootstrap_resamples": cfg.bootstrap, "sigmas": sigma_table(prob, labels)}
+
+
+def select_and_train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), folds: int = 5,
+                     progress: bool = True):
+    """``cfg.model`` mlp or linear: cross-validate, then train it. ``auto``: cross-validate both on the same
+    folds and train the one with the higher cross-validated AUROC. -> (classifier, report with
+    ``cross_validation`` and, for auto, ``model_selection``)."""
+    from dataclasses import replace
+
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODELS)}")
+    kinds = ("mlp", "linear") if cfg.model == "auto" else (cfg.model,)
+    cvs = {k: cross_validate(data, meta, replace(cfg, model=k), folds, progress) for k in kinds} if folds else {}
+    chosen = max(kinds, key=lambda k: cvs[k]["auroc"]) if cvs else kinds[0]
+    clf, report = train(data, meta, replace(cfg, model=chosen), progress)
+    if cvs:
+        report["cross_validation"] = cvs[chosen]
+    if cfg.model == "auto":
+        report["model_selection"] = {"chosen": chosen, "cross_validated_auroc": {k: cv["auroc"] for k, cv in cvs.items()}}
+    return clf, report
 
 
 def _count(n: int, noun: str) -> str:
@@ -201,8 +344,14 @@ def _count(n: int, noun: str) -> str:
 
 
 def report_markdown(report: dict) -> str:
-    fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}"  # noqa: E731
+    fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
+    ci = lambda pair: f"[{fmt(pair[0])}, {fmt(pair[1])}]"  # noqa: E731
     meta = report.get("label_meta", {})
+    kind = report.get("model", "mlp")
+    if kind == "linear":
+        fit = f"Logistic regression, L2 strength {report['l2']} chosen by cross-validation over the training problems"
+    else:
+        fit = f"MLP, best held-out loss at epoch {report['best_epoch']} of {report['epochs_run']} run"
     lines = [
         f"Label folders {', '.join(meta.get('folders', []))}: {meta.get('problems_read', 'n/a')} problems read, "
         f"{report['problems']['train'] + report['problems']['heldout']} with labeled positions.",
@@ -211,22 +360,31 @@ def report_markdown(report: dict) -> str:
         f"({report['pivots']['train']} pivots); held out {report['positions']['heldout']} positions from "
         f"{_count(report['problems']['heldout'], 'problem')} ({report['pivots']['heldout']} pivots).",
         "",
-        f"Held-out AUROC {fmt(report['heldout_auroc'])}; best held-out loss {report['best_heldout_loss']:.4f} "
-        f"at epoch {report['best_epoch']} of {report['epochs_run']} run.",
+        f"{fit}. Held-out AUROC {fmt(report['heldout_auroc'])}; held-out loss {fmt(report['best_heldout_loss'])}.",
         "",
         *_sigma_lines(report["sigmas"], fmt),
     ]
+    sel = report.get("model_selection")
+    if sel:
+        lines += ["", "Kind chosen by cross-validated AUROC: " + ", ".join(
+            f"{k} {fmt(v)}" for k, v in sel["cross_validated_auroc"].items()) + f" -> {sel['chosen']}."]
     cv = report.get("cross_validation")
     if cv:
+        auc = f"AUROC {fmt(cv['auroc'])}" + (f" (95% bootstrap interval over problems {ci(cv['auroc_ci'])})"
+                                            if "auroc_ci" in cv else "")
         lines += [
             "",
             f"Cross-validated over {cv['folds']} folds of problems (each problem scored by a classifier trained "
-            f"without it): AUROC {fmt(cv['auroc'])} on {cv['positions']} positions ({cv['pivots']} pivots). "
+            f"without it): {auc} on {cv['positions']} positions ({cv['pivots']} pivots). "
             "A single feature as the score, over the same positions: "
             + ", ".join(f"{name} AUROC {fmt(v)}" for name, v in cv["baselines"].items()) + ".",
-            "",
-            *_sigma_lines(cv["sigmas"], fmt),
         ]
+        best = cv.get("best_single_feature")
+        if best:
+            lines += ["", f"Best single feature: {best['name']} ({fmt(best['auroc'])}); the classifier minus it: "
+                          f"{best['difference']:+.3f}, 95% interval {ci(best['difference_ci'])} "
+                          f"({cv['bootstrap_resamples']} resamples of problems)."]
+        lines += ["", *_sigma_lines(cv["sigmas"], fmt)]
     return "\n".join(lines) + "\n"
 
 

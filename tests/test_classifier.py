@@ -13,35 +13,37 @@ from pad_kernels import verify_block
 from pad_kernels.verify_ref import pivot_prob_ref
 
 
-def _trained_looking(H, seed):
+def _trained_looking(H, seed, kind="mlp"):
     """A classifier with non-trivial weights (init plus noise of the init's own scale) and standardization."""
     torch.manual_seed(seed)
-    clf = pad.PivotClassifier(H, layer=-3, target_model="t", draft_model="d")
+    clf = pad.PivotClassifier(H, layer=-3, target_model="t", draft_model="d", kind=kind)
     with torch.no_grad():
         for p in clf.parameters():
-            p.add_(torch.randn_like(p) * p.std())
+            p.add_(torch.randn_like(p) * (p.std() if p.numel() > 1 else 0.1))  # a linear kind's bias is one number
         clf.input_mean.normal_()
         clf.input_scale.uniform_(0.5, 2.0)
     return clf.eval()
 
 
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
 @pytest.mark.parametrize("H", [8, 64, 896])
-def test_fold_matches_module(H):
-    clf = _trained_looking(H, H)
+def test_fold_matches_module(H, kind):
+    clf = _trained_looking(H, H, kind)
     g = torch.Generator().manual_seed(H)
     hidden = torch.randn(257, H, generator=g) * 3
     features = torch.stack([torch.rand(257, generator=g), torch.rand(257, generator=g) * 10], -1)
     expected = copy.deepcopy(clf).double().pivot_prob(hidden.double(), features.double()).float()
     folded = clf.fold()
-    assert folded.w1.shape == (H + 2, 128) and folded.w1.dtype == torch.float32
+    assert folded.w1.shape == (H + 2, 128 if kind == "mlp" else 2) and folded.w1.dtype == torch.float32
     torch.testing.assert_close(pivot_prob_ref(hidden, features, folded), expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(clf.pivot_prob(hidden, features), expected, atol=1e-5, rtol=0)
 
 
-def test_verify_block_uses_the_folded_classifier():
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_verify_block_uses_the_folded_classifier(kind):
     """pivot_prob from the op equals the module applied to hidden states and the op's own features."""
     H, K, V = 16, 5, 40
-    clf = _trained_looking(H, 0)
+    clf = _trained_looking(H, 0, kind)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, K + 1, V, generator=g)
     hidden = torch.randn(2, K + 1, H, generator=g)
@@ -50,8 +52,9 @@ def test_verify_block_uses_the_folded_classifier():
     torch.testing.assert_close(res.pivot_prob, clf.pivot_prob(hidden[:, :K], features), atol=1e-5, rtol=0)
 
 
-def test_save_load_round_trip(tmp_path):
-    clf = _trained_looking(32, 3)
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_save_load_round_trip(tmp_path, kind):
+    clf = _trained_looking(32, 3, kind)
     clf.save(tmp_path / "clf")
     loaded = pad.PivotClassifier.load(tmp_path / "clf")
     assert loaded.config == clf.config

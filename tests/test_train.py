@@ -141,3 +141,74 @@ def test_cross_validation_bad_folds(tmp_path, capsys):
     # The default asks for 5 folds, one per problem here; the CLI test above covers an explicit --folds.
     assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "2"]) == 0
     assert "Cross-validated over 3 folds" in (tmp_path / "clf" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auroc_equals_the_pairwise_count_with_ties_and_weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 60
+    scores = torch.randint(0, 8, (n,), generator=g).float()  # many ties
+    labels = torch.randint(0, 2, (n,), generator=g)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairwise = ((pos[:, None] > neg[None]).double() + 0.5 * (pos[:, None] == neg[None]).double()).mean()
+    assert train.auroc(scores, labels) == pytest.approx(float(pairwise), abs=1e-12)
+    # Integer weights count a position that many times: the same as repeating it.
+    w = torch.randint(0, 4, (2, n), generator=g)
+    for r in range(2):
+        repeated = train.auroc(scores.repeat_interleave(w[r]), labels.repeat_interleave(w[r]))
+        assert float(train.auroc(scores, labels, w.float())[r]) == pytest.approx(repeated, abs=1e-12)
+    assert train.auroc(scores, torch.zeros(n, dtype=torch.long)) != train.auroc(scores, labels)  # NaN
+
+
+def test_bootstrap_intervals_resample_problems():
+    g = torch.Generator().manual_seed(0)
+    problems = torch.arange(80).repeat_interleave(10)
+    labels = (torch.rand(800, generator=g) < 0.3).long()
+    good = labels + torch.randn(800, generator=g) * 0.5  # AUROC about 0.92
+    noise = torch.randn(800, generator=g)  # about 0.5
+    boot = train.bootstrap({"good": good, "noise": noise}, labels, problems, "good", resamples=500)
+    lo, hi = boot["auroc_ci"]["good"]
+    assert lo < train.auroc(good, labels) < hi and hi - lo < 0.1
+    lo, hi = boot["difference_ci"]["noise"]  # noise minus good: clearly below 0
+    assert hi < 0 and lo > -0.6
+    # One problem holding every position: every resample is the same data, the interval has no width.
+    same = train.bootstrap({"good": good, "noise": noise}, labels, torch.zeros(800), "good", resamples=50)
+    assert same["auroc_ci"]["good"][0] == same["auroc_ci"]["good"][1]
+
+
+def test_linear_classifier_recovers_a_planted_label_and_folds_exactly(tmp_path):
+    from pad_kernels.verify_ref import pivot_prob_ref
+
+    _planted(tmp_path / "labels")
+    data, meta = train.load_shards([tmp_path / "labels"])
+    cfg = train.TrainConfig(model="linear", l2_grid=(1e-3, 1e-1, 10.0))
+    clf, report = train.train(data, meta, cfg, progress=False)
+    assert clf.kind == "linear" and report["model"] == "linear" and report["heldout_auroc"] > 0.97
+    assert report["l2"] in cfg.l2_grid and set(report["l2_auroc"]) == {"0.001", "0.1", "10.0"}
+    hidden, features = data["hidden"].float(), torch.stack([data["token_prob"], data["entropy"]], -1).float()
+    torch.testing.assert_close(pivot_prob_ref(hidden, features, clf.fold()), clf.pivot_prob(hidden, features),
+                               atol=1e-5, rtol=0)
+    # A heavy penalty shrinks the weights: the L2 strength reaches the fit.
+    strong = train._logistic(torch.randn(200, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+                             torch.arange(200) % 2, 100.0)[0]
+    assert strong.abs().max() < 0.05
+
+
+def test_auto_keeps_the_kind_with_the_higher_cross_validated_auroc(tmp_path):
+    _planted(tmp_path / "labels", problems=20)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    clf, report = train.select_and_train(data, meta, train.TrainConfig(model="auto", epochs=10, bootstrap=200),
+                                         folds=3, progress=False)
+    sel = report["model_selection"]
+    assert set(sel["cross_validated_auroc"]) == {"mlp", "linear"}
+    assert sel["chosen"] == max(sel["cross_validated_auroc"], key=sel["cross_validated_auroc"].get) == clf.kind
+    cv = report["cross_validation"]
+    assert cv["model"] == clf.kind and cv["auroc"] == sel["cross_validated_auroc"][clf.kind]
+    lo, hi = cv["auroc_ci"]
+    assert lo <= cv["auroc"] <= hi
+    best = cv["best_single_feature"]  # the features are noise here; the planted label is in the hidden state
+    assert best["difference_ci"][0] > 0 and best["difference"] == pytest.approx(cv["auroc"] - best["auroc"])
+    text = train.report_markdown({**report, "label_meta": meta})
+    assert "Kind chosen by cross-validated AUROC" in text and "95% bootstrap interval over problems" in text
+    with pytest.raises(ValueError, match="unknown model"):
+        train.select_and_train(data, meta, train.TrainConfig(model="forest"), folds=3, progress=False)
