@@ -1,12 +1,14 @@
 """Fused verification op for speculative decoding: one call per block (see ``verify_block``)."""
-from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult
+from .types import FEATURE_NAMES, RULES, AcceptRule, FoldedClassifier, VerifyResult
 from .verify import BACKEND_NAMES, available_backends, resolve_backend, verify_block
 from .verify_ref import verify_block_ref
 
 __all__ = [
+    "AcceptRule",
     "BACKEND_NAMES",
     "FEATURE_NAMES",
     "FoldedClassifier",
+    "RULES",
     "VerifyResult",
     "available_backends",
     "resolve_backend",

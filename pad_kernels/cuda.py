@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import compiled
-from .types import FoldedClassifier, VerifyResult, empty_result, extension_inputs
+from .types import AcceptRule, FoldedClassifier, VerifyResult, empty_result, extension_inputs
 
 
 def extension():
@@ -28,6 +28,7 @@ def verify_block_cuda(
     draft_probs: torch.Tensor | None = None,  # [B, K, V]
     uniforms: torch.Tensor | None = None,  # [B, K]
     exponentials: torch.Tensor | None = None,  # [B, V]
+    rule: AcceptRule = AcceptRule(),
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given."""
@@ -39,5 +40,5 @@ def verify_block_cuda(
     hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
                                                       exponentials, dev)
     extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
-                                 sigma, floor, temperature, *draws, *out, scratch)
+                                 sigma, floor, temperature, *draws, rule.code, rule.a, rule.b, *out, scratch)
     return out

@@ -29,6 +29,48 @@ class FoldedClassifier(NamedTuple):
         return FoldedClassifier(*(t.to(device=device, dtype=torch.float32) for t in self))
 
 
+class AcceptRule(NamedTuple):
+    """A training-free relaxation of the exact rule: a draft token the exact rule rejects may still be
+    accepted. ``a`` and ``b`` are the rule's two settings (unused ones are 0).
+
+    - ``exact``: nothing more is accepted.
+    - ``typical`` (a = epsilon, b = delta; Medusa's typical acceptance): accepted when
+      ``p_target(d) > min(epsilon, delta * exp(-H))``, H the full-vocabulary entropy.
+    - ``threshold`` (a = tau): accepted when ``p_target(d) >= tau``.
+    - ``fly`` (a = gate, b = window; FLy, arXiv 2511.22972), greedy only: a mismatch at draft position i
+      (1-based, of K) is accepted when the entropy of the target's top 3 probabilities
+      (``top3_entropy``) is at least ``gate``, ``i + window - 1 <= K`` and the next ``window - 1`` draft
+      tokens all equal the target's argmax.
+    Settings that equal ``exact``: ``typical`` with epsilon 1 (p > 1 never holds), ``threshold`` at 1
+    only for a token of probability 1, which is the argmax; ``fly`` with gate ``inf``.
+    """
+
+    name: str = "exact"
+    a: float = 0.0
+    b: float = 0.0
+
+    @classmethod
+    def typical(cls, epsilon: float = 0.09, delta: float = 0.3) -> "AcceptRule":
+        return cls("typical", float(epsilon), float(delta))
+
+    @classmethod
+    def threshold(cls, tau: float) -> "AcceptRule":
+        return cls("threshold", float(tau), 0.0)
+
+    @classmethod
+    def fly(cls, gate: float = 0.3, window: int = 6) -> "AcceptRule":
+        return cls("fly", float(gate), float(window))
+
+    @property
+    def code(self) -> int:
+        """The rule's number in the compiled kernels (``pad::RuleKind``)."""
+        return RULES.index(self.name)
+
+
+RULES = ("exact", "typical", "threshold", "fly")  # order = the kernels' rule codes
+SAMPLING_RULES = ("exact", "typical", "threshold")  # fly's "matches the target" is a greedy notion
+
+
 class VerifyResult(NamedTuple):
     """Everything one verification block produces (B rows, K draft tokens, V vocabulary)."""
 
@@ -37,9 +79,10 @@ class VerifyResult(NamedTuple):
     argmax: torch.Tensor  # [B, K+1] int64, lowest index on ties
     pivot_prob: torch.Tensor  # [B, K] fp32, 1.0 where no classifier
     accepted: torch.Tensor  # [B, K] bool, the accepted prefix only (False after the first rejection)
-    pivot_accepted: torch.Tensor  # [B, K] bool, accepted only because the classifier allowed it
+    pivot_accepted: torch.Tensor  # [B, K] bool, accepted though the exact rule rejected it (classifier or rule)
     num_accepted: torch.Tensor  # [B] int64
     next_token: torch.Tensor  # [B] int64, correction token, or bonus token when all K are accepted
+    top3_entropy: torch.Tensor  # [B, K+1] fp32, -sum p log p over the 3 most likely tokens (full softmax)
 
 
 def empty_result(B: int, K: int, device) -> VerifyResult:
@@ -55,6 +98,7 @@ def empty_result(B: int, K: int, device) -> VerifyResult:
         pivot_accepted=torch.empty(B, K, dtype=torch.bool, device=device),
         num_accepted=torch.empty(B, **i64),
         next_token=torch.empty(B, **i64),
+        top3_entropy=torch.empty(B, K + 1, **f32),
     )
 
 

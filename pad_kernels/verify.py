@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .types import FEATURE_NAMES, FoldedClassifier, VerifyResult, empty_result
+from .types import FEATURE_NAMES, RULES, SAMPLING_RULES, AcceptRule, FoldedClassifier, VerifyResult, empty_result
 from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
@@ -88,6 +88,23 @@ def _check_unit(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
+def _check_rule(rule, temperature) -> None:
+    if not isinstance(rule, AcceptRule) or rule.name not in RULES:
+        raise ValueError(f"rule must be a pad_kernels.AcceptRule named one of {', '.join(RULES)}, got {rule!r}")
+    a, b = rule.a, rule.b
+    if any(not isinstance(v, (int, float)) or math.isnan(v) for v in (a, b)):
+        raise ValueError(f"rule settings must be numbers, got {rule!r}")
+    if rule.name == "typical" and not (0 <= a <= 1 and b >= 0):
+        raise ValueError(f"typical needs 0 <= epsilon <= 1 and delta >= 0, got epsilon={a}, delta={b}")
+    if rule.name == "threshold" and not 0 <= a <= 1:
+        raise ValueError(f"threshold needs 0 <= tau <= 1, got {a}")
+    if rule.name == "fly" and not (a >= 0 and b >= 1 and b == int(b) and b < 2**31):
+        raise ValueError(f"fly needs a gate >= 0 and a whole window >= 1, got gate={a}, window={b}")
+    if temperature > 0 and rule.name not in SAMPLING_RULES:
+        raise ValueError(f"the {rule.name} rule is defined for greedy decoding only (temperature 0); "
+                         f"with sampling use one of {', '.join(SAMPLING_RULES)}")
+
+
 def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
                   draft_probs, uniforms, exponentials) -> None:
     if target_logits.dim() != 3 or target_logits.shape[1] < 1:
@@ -149,14 +166,17 @@ def verify_block(
     draft_probs: torch.Tensor | None = None,  # [B, K, V] draft distributions, needed when temperature > 0
     uniforms: torch.Tensor | None = None,  # [B, K] U(0,1) draws for the acceptance test
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1) draws for the correction/bonus token
+    rule: AcceptRule = AcceptRule(),
     backend: str | None = None,
 ) -> VerifyResult:
     """Verify one block of draft tokens against the target's logits.
 
     With ``temperature > 0`` the random draws are inputs so every backend picks the same tokens; any of
     ``uniforms`` / ``exponentials`` left as None is drawn here from torch's global generator.
-    ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``K = 0`` is allowed: it only
-    picks the next token (autoregressive decoding).
+    ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``rule`` adds a training-free
+    relaxation (``AcceptRule``: typical, threshold, fly); a token is accepted when the exact rule, the
+    classifier or the rule accepts it. ``K = 0`` is allowed: it only picks the next token (autoregressive
+    decoding).
     """
     if temperature > 0:
         B, K1, V = target_logits.shape
@@ -166,11 +186,12 @@ def verify_block(
             exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
     _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
                   draft_probs, uniforms, exponentials)
+    _check_rule(rule, temperature)
     w1, b1, w2, b2 = classifier if classifier is not None else (None, None, None, None)
     out = verify_block_op(
         target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
-        float(floor), float(temperature), draft_probs, uniforms, exponentials,
-        resolve_backend(backend, target_logits.device),
+        float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
+        float(rule.b), resolve_backend(backend, target_logits.device),
     )
     return VerifyResult(*out)
 
@@ -183,19 +204,20 @@ OptTensor = Optional[torch.Tensor]
 def verify_block_op(
     target_logits: Tensor, draft_tokens: Tensor, hidden: OptTensor, w1: OptTensor, b1: OptTensor, w2: OptTensor,
     b2: OptTensor, sigma: float, floor: float, temperature: float, draft_probs: OptTensor, uniforms: OptTensor,
-    exponentials: OptTensor, backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    exponentials: OptTensor, rule: int, rule_a: float, rule_b: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``verify_block`` as a registered op (``torch.ops.pad_kernels.verify_block``) for torch.compile and
     CUDA graphs; arguments are checked by ``verify_block``, outputs in ``VerifyResult`` order."""
     classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
     return tuple(_impl(backend)(
         target_logits, draft_tokens, hidden, classifier, sigma=sigma, floor=floor, temperature=temperature,
         draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
+        rule=AcceptRule(RULES[rule], rule_a, rule_b),
     ))
 
 
 @verify_block_op.register_fake
 def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigma, floor, temperature,
-                       draft_probs, uniforms, exponentials, backend):
+                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, backend):
     B, K1, _ = target_logits.shape
     return tuple(empty_result(B, K1 - 1, target_logits.device))

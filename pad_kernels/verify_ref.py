@@ -4,7 +4,8 @@ Glossary: a *verification block* is the K+1 target positions scored in one forwa
 ``[last, d_1..d_K]``; row i of ``target_logits`` scores the token after position i, so row i judges draft
 token ``d_{i+1}`` and row K gives the *bonus token*. A draft token is *accepted* by the exact rule
 (greedy: ``d == argmax p``; sampling: ``u * q(d) <= p(d)``) or *pivot-accepted* when the classifier says
-it is not a pivot (``sigma > 0``, ``pivot_prob <= sigma`` and ``p(d) >= floor``). At the first rejection the
+it is not a pivot (``sigma > 0``, ``pivot_prob <= sigma`` and ``p(d) >= floor``) or when a training-free
+``AcceptRule`` allows it (typical, threshold, fly; see ``AcceptRule``). At the first rejection the
 *correction token* is emitted (greedy: ``argmax p``; sampling: a draw from ``normalize(max(0, p - q))``).
 Random draws are inputs: ``uniforms`` for the acceptance test and one exponential per vocabulary entry for
 the single categorical draw of a row (an exponential race: ``argmax_v r_v / e_v`` is a sample of ``r``).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .types import FoldedClassifier, VerifyResult
+from .types import AcceptRule, FoldedClassifier, VerifyResult
 
 # An exponential draw of exactly 0 would turn 0/0 into NaN in the race; clamp it to a tiny positive value.
 MIN_EXPONENTIAL = 1e-30
@@ -39,6 +40,40 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return lse.squeeze(-1) - plogit.sum(-1)
 
 
+def top3_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the (up to) 3 largest probabilities of softmax(logits) over the last dim; the
+    probabilities are the full softmax's, not renormalized over the three; zero mass counts as zero."""
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    top = logits.topk(min(3, logits.shape[-1]), -1).values
+    logp = top - lse
+    return -torch.where(top == float("-inf"), 0.0, torch.exp(logp) * logp).sum(-1)
+
+
+def rule_override(rule: AcceptRule, token_prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """Per position, the typical and threshold rules' acceptance of a token the exact rule rejects (fly is
+    decided over the row: ``fly_accepts``). token_prob, entropy [B, K] -> bool [B, K]."""
+    if rule.name == "typical":
+        return token_prob > torch.clamp(rule.b * torch.exp(-entropy), max=rule.a)
+    if rule.name == "threshold":
+        return token_prob >= rule.a
+    return torch.zeros_like(token_prob, dtype=torch.bool)
+
+
+def fly_accepts(rule: AcceptRule, exact: torch.Tensor, top3_entropy: torch.Tensor) -> torch.Tensor:
+    """FLy: a mismatch at draft position i (0-based here) is accepted when its top-3 entropy is at least the
+    gate and the window's next ``window - 1`` drafts, all inside the block, equal the target's argmax.
+    exact, top3_entropy [B, K] -> bool [B, K]."""
+    B, K = exact.shape
+    window = int(rule.b)
+    ok = top3_entropy >= rule.a
+    for i in range(K):
+        if i + window > K:  # the window runs past the block: rejected in this block
+            ok[:, i] = False
+        else:
+            ok[:, i] &= exact[:, i + 1 : i + window].all(-1)
+    return ok
+
+
 def pivot_prob_ref(hidden: torch.Tensor, features: torch.Tensor, classifier: FoldedClassifier) -> torch.Tensor:
     """Folded classifier: hidden [..., H], features [..., F] -> pivot probability [...] (fp32)."""
     x = torch.cat([hidden.float(), features.float()], -1)
@@ -58,6 +93,7 @@ def verify_block_ref(
     draft_probs: torch.Tensor | None = None,  # [B, K, V], needed when temperature > 0
     uniforms: torch.Tensor | None = None,  # [B, K] U(0,1), needed when temperature > 0
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1), needed when temperature > 0
+    rule: AcceptRule = AcceptRule(),
 ) -> VerifyResult:
     """Reference verification of one block; arguments are already validated by ``verify_block``."""
     B, K1, V = target_logits.shape
@@ -66,6 +102,7 @@ def verify_block_ref(
     if temperature > 0:
         logits = logits / temperature
     entropy = entropy_from_logits(logits)  # [B, K+1]
+    top3_entropy = top3_entropy_from_logits(logits)  # [B, K+1]
     probs = torch.softmax(logits, -1)  # [B, K+1, V]
     argmax = logits.argmax(-1)  # [B, K+1]; torch returns the first maximal index
     # An id outside [0, V) has p NaN, which no rule accepts (verify_block raises for it on CPU tensors;
@@ -88,6 +125,9 @@ def verify_block_ref(
         pivot_prob = torch.ones_like(token_prob)
         override = torch.zeros_like(exact_ok)
 
+    override = override | rule_override(rule, token_prob, entropy[:, :K])
+    if rule.name == "fly":
+        override = override | (fly_accepts(rule, exact_ok, top3_entropy[:, :K]) & valid)
     accepted = torch.cumprod((exact_ok | override).to(torch.int64), -1).bool()  # [B, K]
     num_accepted = accepted.sum(-1)  # [B]
     pivot_accepted = accepted & ~exact_ok
@@ -111,4 +151,5 @@ def verify_block_ref(
         pivot_accepted=pivot_accepted,
         num_accepted=num_accepted,
         next_token=next_token,
+        top3_entropy=top3_entropy,
     )

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pad_kernels import cpu
-from pad_kernels.verify_ref import entropy_from_logits, residual_probs
+from pad_kernels.verify_ref import entropy_from_logits, residual_probs, top3_entropy_from_logits
 
 
 
@@ -22,7 +22,9 @@ def test_thread_reductions_match_reference(threads, V):
     q[4] = torch.softmax(x[4], -1) * 1.5  # q >= p everywhere: the residual is all zero, the race falls back to p
     e = torch.empty(N, V).exponential_(generator=g)
     assert cpu.available(), "the compiled CPU extension is needed to run the CUDA math on the CPU"
-    entropy, argmax, winner = cpu.extension().emulate_cuda_reductions(x, q, e, threads)
+    x[5, [7, V // 2, V - 1]] = x[5].max() + 2.0  # the top 3 tied, in three threads' slices
+    entropy, argmax, winner, top3 = cpu.extension().emulate_cuda_reductions(x, q, e, threads)
+    torch.testing.assert_close(top3, top3_entropy_from_logits(x.double()).float(), rtol=1e-5, atol=1e-5)
     truth = entropy_from_logits(x.double())
     ref_err = (entropy_from_logits(x).double() - truth).abs().max()
     assert (entropy.double() - truth).abs().max() <= 2 * ref_err + 1e-5  # the rule of test_verify_backends

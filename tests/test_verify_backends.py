@@ -12,13 +12,13 @@ import zlib
 import pytest
 import torch
 
-from pad_kernels import FoldedClassifier, available_backends, verify_block_ref
+from pad_kernels import AcceptRule, FoldedClassifier, available_backends, verify_block_ref
 from pad_kernels.types import empty_result
 
 FUSED = [b for b in available_backends("cpu") if b != "torch"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Absolute error floor per output and dtype of the logits (entropies reach ln V ~ 12: 1e-5 is ~10 ulps).
-FLOOR = {dtype: {"entropy": 1e-5, "token_prob": 1e-7, "pivot_prob": 1e-6} for dtype in DTYPES}
+FLOOR = {dtype: {"entropy": 1e-5, "token_prob": 1e-7, "pivot_prob": 1e-6, "top3_entropy": 1e-5} for dtype in DTYPES}
 POISON = {torch.float32: float("nan"), torch.int64: -7, torch.bool: True}
 
 
@@ -51,8 +51,13 @@ def make_case(B, K, V, H, dtype, sampling, seed):
                       exponentials=torch.empty(B, V).exponential_(generator=g))
     else:
         # Mostly the target's own choices, so that blocks accept a few tokens before a rejection.
+        # The others: the target's second or third choice (plausible tokens the relaxed rules may accept), or
+        # any token.
         draft_tokens = logits[:, :K].float().argmax(-1)
-        noise = torch.rand(B, K, generator=g) < 0.3
+        runner_up = logits[:, :K].float().topk(min(3, V), -1).indices[..., -1]
+        near = torch.rand(B, K, generator=g) < 0.25
+        draft_tokens[near] = runner_up[near]
+        noise = torch.rand(B, K, generator=g) < 0.15
         draft_tokens[noise] = torch.randint(0, V, (int(noise.sum()),), generator=g)
     hidden = (torch.randn(B, K + 1, H, generator=g) * 2).to(dtype)
     D = 128
@@ -62,19 +67,22 @@ def make_case(B, K, V, H, dtype, sampling, seed):
 
 
 def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, **_):
-    """entropy, token_prob and pivot_prob computed in fp64 from the same inputs."""
+    """entropy, token_prob, pivot_prob and top3_entropy computed in fp64 from the same inputs."""
     K = draft_tokens.shape[1]
     x = logits.double() / (temperature if temperature > 0 else 1.0)
     logp = torch.log_softmax(x, -1)
     p = logp.exp()
     entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    top = logp.topk(min(3, logp.shape[-1]), -1).values
+    top3 = -torch.where(top > float("-inf"), top.exp() * top, 0.0).sum(-1)
     token_prob = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
     if clf is None:
-        return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": torch.ones_like(token_prob)}
+        return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": torch.ones_like(token_prob),
+                "top3_entropy": top3}
     feats = torch.cat([hidden[:, :K].double(), token_prob[..., None], entropy[:, :K, None]], -1)
     w1, b1, w2, b2 = (t.double() for t in clf)
     pivot = torch.sigmoid(torch.relu(feats @ w1 + b1) @ w2 + b2)
-    return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": pivot}
+    return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": pivot, "top3_entropy": top3}
 
 
 def assert_matches(got, expected, truth, dtype):
@@ -173,7 +181,9 @@ def test_registered_op_passes_opcheck(backend, temperature):
     args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3)
     logits, drafts, hidden, clf = args
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
-    torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws, backend))
+    for rule in (AcceptRule(), AcceptRule.typical(), AcceptRule.threshold(0.2)):
+        torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws,
+                                                rule.code, rule.a, rule.b, backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED])
@@ -205,3 +215,58 @@ def test_kernels_read_nothing_for_draft_ids_out_of_range(backend, sampling):
     for name in ("accepted", "pivot_accepted", "next_token", "argmax"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     torch.testing.assert_close(got.token_prob, want.token_prob, equal_nan=True, rtol=1e-5, atol=1e-7)
+
+
+# Each rule at a setting that accepts some mismatches and rejects others on these inputs, and at one
+# that equals the exact rule.
+RULE_SETTINGS = [AcceptRule.typical(), AcceptRule.typical(0.3, 0.05), AcceptRule.threshold(0.05),
+                 AcceptRule.fly(0.3, 3), AcceptRule.fly(0.05, 1)]
+EXACT_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.threshold(1.0), AcceptRule.fly(float("inf"), 6)]
+RULE_SHAPES = [(1, 64, 10, 1271), (3, 896, 4, 32000), (3, 64, 10, 151936)]
+
+
+def _rule_cases():
+    for backend in FUSED:
+        for rule in RULE_SETTINGS:
+            for sampling in (False, True) if rule.name != "fly" else (False,):
+                for dtype, shape in zip(DTYPES, RULE_SHAPES if backend != "triton" else RULE_SHAPES[:2]):
+                    yield pytest.param(backend, rule, sampling, dtype, *shape,
+                                       id=f"{backend}-{rule.name}@{rule.a:g},{rule.b:g}-"
+                                          f"{'sampling' if sampling else 'greedy'}-{dtype}-B{shape[0]}-K{shape[2]}-V{shape[3]}")
+
+
+@pytest.mark.parametrize("backend,rule,sampling,dtype,B,H,K,V", list(_rule_cases()))
+def test_rules_match_reference(backend, rule, sampling, dtype, B, H, K, V):
+    seed = zlib.crc32(repr((rule, sampling, dtype, V, K, B)).encode())
+    args, kwargs = make_case(B, K, V, H, dtype, sampling, seed)
+    logits, drafts = args[:2]
+    expected = verify_block_ref(logits, drafts, **kwargs, rule=rule)
+    assert_matches(run_backend(backend, logits, drafts, **kwargs, rule=rule), expected,
+                   fp64_truth(logits, drafts, **kwargs), dtype)
+    # With the classifier too: a token is accepted when the exact rule, the classifier or the rule says so.
+    expected = verify_block_ref(*args, **kwargs, rule=rule)
+    assert_matches(run_backend(backend, *args, **kwargs, rule=rule), expected, fp64_truth(*args, **kwargs), dtype)
+
+
+def test_rule_cases_accept_beyond_exact():
+    """The random cases above exercise the rules: each setting relaxes some positions the exact rule rejects."""
+    for rule in RULE_SETTINGS:
+        args, kwargs = make_case(3, 10, 1271, 64, torch.float32, False, seed=5)
+        relaxed = verify_block_ref(args[0], args[1], **kwargs, rule=rule)
+        exact = verify_block_ref(args[0], args[1], **kwargs)
+        assert relaxed.pivot_accepted.any() and (relaxed.num_accepted > exact.num_accepted).any(), rule
+
+
+@pytest.mark.parametrize("backend", ["torch", *FUSED])
+@pytest.mark.parametrize("rule", EXACT_SETTINGS, ids=lambda r: r.name)
+def test_each_rule_has_a_setting_that_equals_exact(backend, rule):
+    from pad_kernels import verify_block
+
+    for seed in range(3):
+        args, kwargs = make_case(3, 6, 1271, 64, torch.float32, False, seed=seed)
+        logits, drafts = args[:2]
+        drafts[:, 1] = (drafts[:, 1] + 1) % 1271  # a sure mismatch in every row
+        exact = verify_block(logits, drafts, backend=backend)
+        got = verify_block(logits, drafts, rule=rule, backend=backend)
+        for name in ("accepted", "pivot_accepted", "num_accepted", "next_token"):
+            assert torch.equal(getattr(got, name), getattr(exact, name)), (rule, name)

@@ -1,4 +1,6 @@
 """Hand-made verification blocks with exact expected tokens, run on every backend available here."""
+import math
+
 import pytest
 import torch
 
@@ -110,3 +112,89 @@ def test_sampling_accepts_when_target_likes_the_token_more(backend):
                        uniforms=torch.tensor([[0.999]]), exponentials=torch.ones(1, 8), backend=backend)
     assert res.num_accepted.tolist() == [1]
     assert res.next_token.tolist() == [2]  # bonus: exponentials all 1, so the argmax of p
+
+
+def _p_and_entropy(logits_row):
+    """p and the entropy of one position, in fp64 from the test's own formula."""
+    p = torch.softmax(logits_row.double(), -1)
+    return p, float(-(torch.where(p > 0, p * p.log(), 0.0)).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_typical_accepts_just_above_its_bound_and_rejects_just_below(backend):
+    from pad_kernels import AcceptRule
+
+    logits = _logits([{3: 2.0, 1: 1.0}, {4: 2.0}])
+    p, H = _p_and_entropy(logits[0, 0])
+    p1 = float(p[1])  # the draft token 1 is not the argmax (3): the exact rule rejects it
+    drafts = torch.tensor([[1]])
+    for rule, accepted in ((AcceptRule.typical(p1 - 1e-4, 1e6), True),  # epsilon binds
+                           (AcceptRule.typical(p1 + 1e-4, 1e6), False),
+                           (AcceptRule.typical(1.0, (p1 - 1e-4) * math.exp(H)), True),  # delta * exp(-H) binds
+                           (AcceptRule.typical(1.0, (p1 + 1e-4) * math.exp(H)), False)):
+        res = verify_block(logits, drafts, rule=rule, backend=backend)
+        assert res.accepted.tolist() == [[accepted]] and res.pivot_accepted.tolist() == [[accepted]], rule
+        assert res.num_accepted.tolist() == [int(accepted)] and res.next_token.tolist() == [4 if accepted else 3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threshold_accepts_at_tau(backend):
+    from pad_kernels import AcceptRule
+
+    logits = torch.full((1, 2, 8), NEG)
+    logits[0, 0, [1, 3]] = 0.0  # p = 1/2 exactly for tokens 1 and 3 (argmax 1: draft 3 is a mismatch)
+    logits[0, 1, 6] = 0.0
+    above = torch.nextafter(torch.tensor(0.5), torch.tensor(1.0)).item()  # the next fp32: settings are fp32
+    for tau, accepted in ((0.5, True), (above, False), (0.25, True)):
+        res = verify_block(logits, torch.tensor([[3]]), rule=AcceptRule.threshold(tau), backend=backend)
+        assert res.token_prob.tolist() == [[0.5]]
+        assert res.accepted.tolist() == [[accepted]] and res.next_token.tolist() == [6 if accepted else 1], tau
+
+
+def _fly_rows(rows):
+    """rows: per batch row, per position 'h' (a mismatch at high top-3 entropy: three tied tokens 1 < 2 < 3,
+    draft 2), 'l' (a mismatch at low top-3 entropy: token 3 far ahead, draft 2) or 'm' (a match, draft 3 of
+    a lone leader); plus a bonus position. -> logits [B, K+1, 8], drafts [B, K]."""
+    spec = {"h": ({1: 2.0, 2: 2.0, 3: 2.0}, 2), "l": ({3: 12.0, 2: 0.0}, 2), "m": ({3: 4.0}, 3)}
+    logits = torch.cat([_logits([spec[c][0] for c in row] + [{5: 3.0}]) for row in rows])
+    drafts = torch.tensor([[spec[c][1] for c in row] for row in rows])
+    return logits, drafts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fly_window_and_gate(backend):
+    from pad_kernels import AcceptRule
+
+    rows = ["hmmmm",  # a mismatch followed by window - 1 = 2 matches: accepted, and the rest
+            "hmhmm",  # a second mismatch inside the window rejects the first
+            "mmmhm",  # a mismatch whose window runs past the block (4 + 3 - 1 > 5): rejected in this block
+            "lmmmm",  # a mismatch at low top-3 entropy: rejected outright
+            "mhmmm",  # a mismatch at position 2 with its window inside: accepted
+            "mmhmm"]  # position 3 + 3 - 1 = 5 <= 5: accepted
+    logits, drafts = _fly_rows(rows)
+    res = verify_block(logits, drafts, rule=AcceptRule.fly(gate=0.3, window=3), backend=backend)
+    assert res.num_accepted.tolist() == [5, 0, 3, 0, 5, 5]
+    assert res.next_token.tolist() == [5, 1, 1, 3, 5, 5]
+    assert res.pivot_accepted.long().tolist() == [[1, 0, 0, 0, 0], [0] * 5, [0] * 5, [0] * 5, [0, 1, 0, 0, 0],
+                                                  [0, 0, 1, 0, 0]]
+    # Three tokens of about 1/3 each (the other five hold ~1e-3 each): about ln 3; one dominant token: ~0.
+    assert res.top3_entropy[0, 0] == pytest.approx(math.log(3), abs=0.02) and res.top3_entropy[3, 0] < 0.01
+    # A gate above the tied tokens' top-3 entropy rejects them all: fly then equals exact.
+    res = verify_block(logits, drafts, rule=AcceptRule.fly(gate=1.2, window=3), backend=backend)
+    assert res.num_accepted.tolist() == [0, 0, 3, 0, 1, 2]
+    # Window 1: any mismatch that passes the gate is accepted.
+    res = verify_block(logits, drafts, rule=AcceptRule.fly(gate=0.3, window=1), backend=backend)
+    assert res.num_accepted.tolist() == [5, 5, 5, 0, 5, 5]
+
+
+def test_rule_settings_are_checked():
+    from pad_kernels import AcceptRule
+
+    logits, drafts = torch.randn(1, 3, 8), torch.tensor([[1, 2]])
+    for rule, match in ((AcceptRule.typical(1.5, 0.3), "typical needs"), (AcceptRule.threshold(-0.1), "threshold"),
+                        (AcceptRule.fly(0.3, 0), "whole window"), (AcceptRule.fly(0.3, 2.5), "whole window"),
+                        (AcceptRule("nucleus"), "named one of"), ("typical", "AcceptRule")):
+        with pytest.raises(ValueError, match=match):
+            verify_block(logits, drafts, rule=rule)
+    with pytest.raises(ValueError, match="greedy decoding only"):
+        verify_block(logits, drafts, rule=AcceptRule.fly(), temperature=0.7, draft_probs=torch.rand(1, 2, 8))

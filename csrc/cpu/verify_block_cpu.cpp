@@ -38,6 +38,11 @@ pad::RowStats position_stats(const T* x, int64_t V, float temperature) {
         cmax = buf[i] > cmax ? buf[i] : cmax;
       }
     }
+    // The three largest: a chunk whose max is not above the third so far holds none of them (most chunks).
+    if (cmax > s.third) {
+      float top0 = s.max;
+      for (int64_t i = 0; i < n; ++i) pad::top3_push(top0, s.second, s.third, buf[i]);
+    }
     if (cmax > s.max) {
       pad::row_rescale(s, cmax);
       s.argmax = c0 + (std::find(buf, buf + n, cmax) - buf);
@@ -69,9 +74,10 @@ float scaled(const T* x, int64_t v, float temperature) {
 template <typename T, typename H>
 void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, const float* w1, const float* b1,
                    const float* w2, float b2, int64_t Hdim, int64_t D, float sigma, float floor_, float temperature,
-                   const float* draft_probs, const float* uniforms, const float* exponentials, int64_t B,
-                   int64_t K, int64_t V, float* entropy, float* token_prob, int64_t* argmax, float* pivot_prob,
-                   bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token) {
+                   const float* draft_probs, const float* uniforms, const float* exponentials, pad::Rule rule,
+                   int64_t B, int64_t K, int64_t V, float* entropy, float* token_prob, int64_t* argmax,
+                   float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted,
+                   int64_t* next_token, float* top3_entropy) {
   const int64_t K1 = K + 1;
   std::vector<pad::RowStats> stats(B * K1);
   const bool has_clf = w1 != nullptr;
@@ -85,6 +91,7 @@ void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, cons
       const pad::RowStats s = position_stats(x, V, temperature);
       stats[pos] = s;
       entropy[pos] = pad::row_entropy(s);
+      top3_entropy[pos] = pad::row_top3_entropy(s);
       argmax[pos] = s.argmax;
       if (i == K) continue;
       const int64_t d = drafts[b * K + i];
@@ -106,7 +113,8 @@ void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, cons
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
-                                        sampling, has_clf, sigma, floor_, accepted, pivot_accepted);
+                                        sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, accepted,
+                                        pivot_accepted);
       num_accepted[b] = n;
       if (!sampling) {
         next_token[b] = argmax[b * K1 + n];
@@ -131,9 +139,10 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
                           const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
                           const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                           const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
-                          const c10::optional<at::Tensor>& exponentials, at::Tensor& entropy, at::Tensor& token_prob,
-                          at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted,
-                          at::Tensor& pivot_accepted, at::Tensor& num_accepted, at::Tensor& next_token) {
+                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
+                          at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
+                          at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
+                          at::Tensor& next_token, at::Tensor& top3_entropy) {
   check(logits.device().is_cpu() && logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [B, K+1, V] on the CPU");
   const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
   check(draft_tokens.scalar_type() == at::kLong && draft_tokens.is_contiguous() && draft_tokens.size(0) == B &&
@@ -163,9 +172,10 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
     const auto run = [&](auto* hidden_ptr) {
       verify_kernel(logits.data_ptr<logit_t>(), draft_tokens.data_ptr<int64_t>(), hidden_ptr, ptr(w1), ptr(b1),
                     ptr(w2), b2v, Hdim, D, (float)sigma, (float)floor_, (float)temperature, ptr(draft_probs),
-                    ptr(uniforms), ptr(exponentials), B, K, V, entropy.data_ptr<float>(), token_prob.data_ptr<float>(),
-                    argmax.data_ptr<int64_t>(), pivot_prob.data_ptr<float>(), accepted.data_ptr<bool>(),
-                    pivot_accepted.data_ptr<bool>(), num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>());
+                    ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b}, B, K, V,
+                    entropy.data_ptr<float>(), token_prob.data_ptr<float>(), argmax.data_ptr<int64_t>(),
+                    pivot_prob.data_ptr<float>(), accepted.data_ptr<bool>(), pivot_accepted.data_ptr<bool>(),
+                    num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), top3_entropy.data_ptr<float>());
     };
     if (!has_clf) {
       run(static_cast<const float*>(nullptr));
@@ -187,7 +197,7 @@ std::vector<at::Tensor> emulate_cuda_reductions(const at::Tensor& logits, const 
   check(threads > 0 && (threads & (threads - 1)) == 0, "threads must be a power of 2");
   const int64_t N = logits.size(0), V = logits.size(1);
   auto entropy = at::empty({N}, logits.options()), winner = at::empty({N}, logits.options().dtype(at::kLong));
-  auto argmax = at::empty({N}, logits.options().dtype(at::kLong));
+  auto argmax = at::empty({N}, logits.options().dtype(at::kLong)), top3 = at::empty({N}, logits.options());
   const float *x = logits.data_ptr<float>(), *qp = q.data_ptr<float>(), *ep = e.data_ptr<float>();
   for (int64_t r = 0; r < N; ++r) {
     const float* row = x + r * V;
@@ -199,6 +209,7 @@ std::vector<at::Tensor> emulate_cuda_reductions(const at::Tensor& logits, const 
     const pad::RowStats s = part[0];
     entropy[r] = pad::row_entropy(s);
     argmax[r] = s.argmax;
+    top3[r] = pad::row_top3_entropy(s);
     std::vector<pad::Race> races(threads, pad::race_empty());
     for (int64_t t = 0; t < threads; ++t)
       for (int64_t v = t; v < V; v += threads)
@@ -207,7 +218,7 @@ std::vector<at::Tensor> emulate_cuda_reductions(const at::Tensor& logits, const 
       for (int64_t t = 0; t < stride; ++t) races[t] = pad::race_merge(races[t], races[t + stride]);
     winner[r] = pad::race_winner(races[0]);
   }
-  return {entropy, argmax, winner};
+  return {entropy, argmax, winner, top3};
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ template <typename T>
 __global__ void position_stats_kernel(const T* __restrict__ logits,         // [B, K+1, V]
                                       const int64_t* __restrict__ drafts,   // [B, K]
                                       float* entropy, int64_t* argmax,      // [B, K+1]
+                                      float* top3_entropy,                  // [B, K+1]
                                       float* token_prob,                    // [B, K]
                                       float* row_max, float* row_sum,       // [B, K+1]
                                       int64_t K, int64_t V, float temperature) {
@@ -46,6 +47,7 @@ __global__ void position_stats_kernel(const T* __restrict__ logits,         // [
   if (threadIdx.x != 0) return;
   const pad::RowStats t = partial[0];
   entropy[pos] = pad::row_entropy(t);
+  top3_entropy[pos] = pad::row_top3_entropy(t);
   argmax[pos] = t.argmax;
   row_max[pos] = t.max;
   row_sum[pos] = t.sum;
@@ -60,10 +62,11 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
                               const H* __restrict__ hidden,  // [B, K+1, Hdim]
                               const float* w1, const float* b1, const float* w2, const float* b2,  // [Hdim+2, D], [D], [D], []
                               const float* draft_probs, const float* uniforms, const float* exponentials,
-                              const float* entropy, const int64_t* argmax, const float* token_prob,
-                              const float* row_max, const float* row_sum, float* pivot_prob, bool* accepted,
-                              bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token, int64_t K,
-                              int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_, float temperature) {
+                              const float* entropy, const float* top3_entropy, const int64_t* argmax,
+                              const float* token_prob, const float* row_max, const float* row_sum,
+                              float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted,
+                              int64_t* next_token, int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma,
+                              float floor_, float temperature, pad::Rule rule) {
   __shared__ float red[kThreads];
   __shared__ pad::Race races[kThreads];
   __shared__ int64_t n_shared;
@@ -96,7 +99,8 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
   // 2. The accepted prefix (one thread: K is small).
   if (threadIdx.x == 0) {
     const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
-                                      sampling, has_clf, sigma, floor_, accepted, pivot_accepted);
+                                      sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, accepted,
+                                      pivot_accepted);
     num_accepted[b] = n;
     n_shared = n;
     if (!sampling) next_token[b] = argmax[b * K1 + n];
@@ -106,7 +110,7 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
 
   // 3. Sampling: the correction (or bonus) token by a block-wide exponential race over the residual.
   const int64_t n = n_shared, pos = b * K1 + n;
-  const pad::RowStats s{row_max[pos], row_sum[pos], 0.0f, 0};
+  const pad::RowStats s{row_max[pos], row_sum[pos], 0.0f, 0, -INFINITY, -INFINITY};
   const T* x = logits + pos * V;
   const float* q = n < K ? draft_probs + (b * K + n) * V : nullptr;
   const float* e = exponentials + b * V;
@@ -126,12 +130,14 @@ template <typename T, typename H>
 cudaError_t launch(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
   const T* logits = static_cast<const T*>(a.logits);
   const int64_t K1 = a.K + 1;
-  position_stats_kernel<T><<<a.B * K1, kThreads, 0, stream>>>(logits, a.drafts, a.entropy, a.argmax, a.token_prob,
-                                                               a.row_max, a.row_sum, a.K, a.V, a.temperature);
+  position_stats_kernel<T><<<a.B * K1, kThreads, 0, stream>>>(logits, a.drafts, a.entropy, a.argmax,
+                                                               a.top3_entropy, a.token_prob, a.row_max, a.row_sum,
+                                                               a.K, a.V, a.temperature);
   accept_kernel<T, H><<<a.B, kThreads, 0, stream>>>(
       logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms,
-      a.exponentials, a.entropy, a.argmax, a.token_prob, a.row_max, a.row_sum, a.pivot_prob, a.accepted,
-      a.pivot_accepted, a.num_accepted, a.next_token, a.K, a.V, a.H, a.D, a.sigma, a.floor_, a.temperature);
+      a.exponentials, a.entropy, a.top3_entropy, a.argmax, a.token_prob, a.row_max, a.row_sum, a.pivot_prob,
+      a.accepted, a.pivot_accepted, a.num_accepted, a.next_token, a.K, a.V, a.H, a.D, a.sigma, a.floor_,
+      a.temperature, a.rule);
   return cudaGetLastError();
 }
 

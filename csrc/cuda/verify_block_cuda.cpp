@@ -24,9 +24,10 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
                            const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
                            const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                            const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
-                           const c10::optional<at::Tensor>& exponentials, at::Tensor& entropy,
-                           at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted,
-                           at::Tensor& pivot_accepted, at::Tensor& num_accepted, at::Tensor& next_token,
+                           const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a,
+                           double rule_b, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax,
+                           at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
+                           at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy,
                            at::Tensor& scratch) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 3 && logits.is_contiguous(),
               "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] on a CUDA device");
@@ -70,6 +71,8 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
   a.pivot_accepted = pivot_accepted.data_ptr<bool>();
   a.num_accepted = num_accepted.data_ptr<int64_t>();
   a.next_token = next_token.data_ptr<int64_t>();
+  a.top3_entropy = top3_entropy.data_ptr<float>();
+  a.rule = pad::Rule{static_cast<int>(rule), static_cast<float>(rule_a), static_cast<float>(rule_b)};
   a.row_max = scratch.data_ptr<float>();
   a.row_sum = a.row_max + B * (K + 1);
   a.sigma = static_cast<float>(sigma);

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pad/verify_math.h"
+
 namespace pad_cuda {
 
 enum class DType { kFloat32, kFloat16, kBFloat16 };
@@ -21,9 +23,11 @@ struct VerifyArgs {
   int64_t* argmax;                                     // [B, K+1]
   bool *accepted, *pivot_accepted;                     // [B, K]
   int64_t *num_accepted, *next_token;                  // [B]
+  float* top3_entropy;                                 // [B, K+1]
   float *row_max, *row_sum;                            // [B, K+1] scratch
   int64_t B, K, V, H, D;
   float sigma, floor_, temperature;
+  pad::Rule rule;
 };
 
 cudaError_t verify_block(const VerifyArgs& args, cudaStream_t stream);

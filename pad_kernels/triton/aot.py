@@ -31,25 +31,29 @@ def _compile(kernel, signature: dict, constexprs: dict, arch: int):
 
 def jobs():
     """(name, kernel, signature, constexprs) for every specialization the launcher can ask for."""
+    from ..types import RULES, SAMPLING_RULES
     from .verify_block import _accept_kernel, _position_stats_kernel, launch_config
 
     cfg = launch_config(K=10, V=151936, H=1536, D=128)
     for dname, dptr in DTYPES.items():
         for scaled in (False, True):
-            sig = dict(logits_ptr=dptr, drafts_ptr="*i64", entropy_ptr="*fp32", argmax_ptr="*i64",
+            sig = dict(logits_ptr=dptr, drafts_ptr="*i64", entropy_ptr="*fp32", top3_ptr="*fp32", argmax_ptr="*i64",
                        token_prob_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", K="i32", V="i32",
                        temperature="fp32")
             yield (f"_position_stats_kernel[{dname}, SCALED={scaled}]", _position_stats_kernel, sig,
                    dict(SCALED=scaled, BLOCK_V=cfg["BLOCK_V"]))
-        for has_clf, sampling in itertools.product((False, True), (False, True)):
+        for has_clf, sampling, rule in itertools.product((False, True), (False, True), range(len(RULES))):
+            if sampling and RULES[rule] not in SAMPLING_RULES:
+                continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
                        w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
-                       exponentials_ptr="*fp32", entropy_ptr="*fp32", argmax_ptr="*i64", token_prob_ptr="*fp32",
-                       max_ptr="*fp32", sum_ptr="*fp32", pivot_prob_ptr="*fp32", accepted_ptr="*i1",
-                       pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64", K="i32",
-                       V="i32", H="i32", D="i32", sigma="fp32", floor="fp32", temperature="fp32")
-            yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}]", _accept_kernel, sig,
-                   dict(HAS_CLF=has_clf, SAMPLING=sampling, **cfg))
+                       exponentials_ptr="*fp32", entropy_ptr="*fp32", top3_ptr="*fp32", argmax_ptr="*i64",
+                       token_prob_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", pivot_prob_ptr="*fp32",
+                       accepted_ptr="*i1", pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64",
+                       K="i32", V="i32", H="i32", D="i32", sigma="fp32", floor="fp32", temperature="fp32",
+                       rule_a="fp32", rule_b="fp32", window="i32")
+            yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, RULE={RULES[rule]}]",
+                   _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, **cfg))
 
 
 def main(argv=None) -> int:

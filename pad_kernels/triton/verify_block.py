@@ -1,11 +1,12 @@
 """Triton backend of ``verify_block``: two kernels per block.
 
 1. ``_position_stats_kernel``, one program per (row, position): an online softmax over the vocabulary in
-   chunks (running max, sum of exp, sum of exp * (x - max), argmax with the lowest index on ties) gives
-   the entropy, the argmax and ``p_target(d_i)``; the max and sum are kept for the correction draw.
+   chunks (running max, sum of exp, sum of exp * (x - max), argmax with the lowest index on ties, the
+   three largest logits) gives the entropy, the top-3 entropy, the argmax and ``p_target(d_i)``; the max
+   and sum are kept for the correction draw.
 2. ``_accept_kernel``, one program per row: it needs every position of its row. The folded classifier
    runs on the row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted
-   prefix, and the next token: the argmax at the first rejection (greedy), or an exponential race over
+   prefix (exact rule, classifier, or the training-free rule: typical, threshold, fly), and the next token: the argmax at the first rejection (greedy), or an exponential race over
    the residual ``max(0, p - q)`` (sampling), a second pass over that one position's vocabulary.
 All arithmetic is fp32 whatever the logits' dtype. Tested on the CPU with ``TRITON_INTERPRET=1``.
 """
@@ -15,9 +16,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import FoldedClassifier, VerifyResult, empty_result
+from ..types import AcceptRule, FoldedClassifier, VerifyResult, empty_result
 
 MIN_EXPONENTIAL = tl.constexpr(1e-30)  # as the reference: an exponential draw of 0 must not make 0/0
+
+
+@triton.jit
+def _top3_insert(t0, t1, t2, x):
+    """The three largest of (t0 >= t1 >= t2) and x."""
+    n2 = tl.where(x > t1, t1, tl.maximum(t2, x))
+    n1 = tl.where(x > t0, t0, tl.maximum(t1, x))
+    n0 = tl.maximum(t0, x)
+    return n0, n1, n2
+
+
+@triton.jit
+def _plogp(t, m, log_sum):
+    """p log p of the probability of logit t (0 for -inf)."""
+    lp = (t - m) - log_sum
+    return tl.where(t == float("-inf"), 0.0, tl.exp(lp) * lp)
 
 
 @triton.jit
@@ -25,6 +42,7 @@ def _position_stats_kernel(
     logits_ptr,  # [B, K+1, V] fp32/bf16/fp16
     drafts_ptr,  # [B, K] int64
     entropy_ptr,  # [B, K+1] fp32 out
+    top3_ptr,  # [B, K+1] fp32 out: -sum p log p over the 3 most likely tokens
     argmax_ptr,  # [B, K+1] int64 out
     token_prob_ptr,  # [B, K] fp32 out
     max_ptr,  # [B, K+1] fp32 out: softmax max, for the correction draw
@@ -43,13 +61,23 @@ def _position_stats_kernel(
     s = tl.zeros((), tl.float32)
     sd = tl.zeros((), tl.float32)  # sum of exp(x - m) * (x - m): entropy = log(s) - sd / s
     arg = tl.zeros((), tl.int64) - 1
+    t1 = tl.full((), float("-inf"), tl.float32)  # second and third largest (the largest is m)
+    t2 = tl.full((), float("-inf"), tl.float32)
     for c0 in range(0, V, BLOCK_V):
         idx = c0 + offs
         x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         if SCALED:
             x = x / temperature
         cm = tl.max(x, axis=0)
-        ca = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + c0
+        ca0 = tl.argmax(x, axis=0, tie_break_left=True)
+        ca = ca0.to(tl.int64) + c0
+        # The chunk's three largest (ties count separately), merged into the running three.
+        x1 = tl.where(offs == ca0, float("-inf"), x)
+        c1 = tl.max(x1, axis=0)
+        c2 = tl.max(tl.where(offs == tl.argmax(x1, axis=0, tie_break_left=True), float("-inf"), x1), axis=0)
+        t0, t1, t2 = _top3_insert(m, t1, t2, cm)
+        t0, t1, t2 = _top3_insert(t0, t1, t2, c1)
+        t0, t1, t2 = _top3_insert(t0, t1, t2, c2)
         new_m = tl.maximum(m, cm)
         arg = tl.where((cm > m) | (arg < 0), ca, arg)
         # Rescale to the new max; a state whose max is -inf holds no mass (keep NaN alive via * 0).
@@ -65,6 +93,11 @@ def _position_stats_kernel(
         sd += tl.sum(e * d, axis=0)
     ent = tl.where(s == 0, float("-inf"), tl.log(s) - sd / s)
     tl.store(entropy_ptr + pos, ent)
+    # Top-3 entropy with the full softmax's probabilities; absent (-inf) entries and an empty row add 0.
+    ls = tl.log(s)
+    h3 = -(_plogp(m, m, ls) + _plogp(t1, m, ls) + _plogp(t2, m, ls))
+    h3 = tl.where(s > 0, h3, tl.where(s != s, s, 0.0))
+    tl.store(top3_ptr + pos, h3)
     tl.store(argmax_ptr + pos, arg)
     tl.store(max_ptr + pos, m)
     tl.store(sum_ptr + pos, s)
@@ -91,14 +124,16 @@ def _accept_kernel(
     draft_probs_ptr,  # [B, K, V] fp32 (sampling)
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
-    entropy_ptr, argmax_ptr, token_prob_ptr, max_ptr, sum_ptr,  # from _position_stats_kernel
+    entropy_ptr, top3_ptr, argmax_ptr, token_prob_ptr, max_ptr, sum_ptr,  # from _position_stats_kernel
     pivot_prob_ptr,  # [B, K] fp32 out
     accepted_ptr,  # [B, K] bool out
     pivot_accepted_ptr,  # [B, K] bool out
     num_accepted_ptr,  # [B] int64 out
     next_token_ptr,  # [B] int64 out
-    K, V, H, D, sigma, floor, temperature,
+    K, V, H, D, sigma, floor, temperature, rule_a, rule_b,
+    window,  # fly: int(rule_b)
     HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
+    RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly
     KP: tl.constexpr,  # power of 2 >= max(K, 16): tl.dot needs 16 rows
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -143,6 +178,18 @@ def _accept_kernel(
     ok = exact
     if HAS_CLF:
         ok = ok | ((sigma > 0) & (pivot <= sigma) & (tp >= floor))
+    if RULE == 1:  # typical: p > min(epsilon, delta * exp(-H))
+        ent_k = tl.load(entropy_ptr + b * K1 + ks, mask=kmask, other=0.0)
+        ok = ok | (tp > tl.minimum(rule_a, rule_b * tl.exp(-ent_k)))
+    if RULE == 2:  # threshold: p >= tau
+        ok = ok | (tp >= rule_a)
+    if RULE == 3:  # fly: top-3 entropy >= gate and the next window - 1 drafts, inside the block, match
+        h3 = tl.load(top3_ptr + b * K1 + ks, mask=kmask, other=0.0)
+        # The first mismatch after each position (K when none): [KP, KP] over (position, later position).
+        later = (ks[None, :] > ks[:, None]) & (ks[None, :] < K) & ~exact[None, :]
+        next_miss = tl.min(tl.where(later, ks[None, :], K), axis=1)
+        fits = (ks + window <= K) & (next_miss >= ks + window)
+        ok = ok | ((h3 >= rule_a) & fits & (drafts >= 0) & (drafts < V))
     n = tl.min(tl.where(ok | (ks >= K), KP, ks), axis=0)
     n = tl.minimum(n, K)
     accepted = ks < n
@@ -211,6 +258,7 @@ def verify_block_triton(
     draft_probs: torch.Tensor | None = None,  # [B, K, V]
     uniforms: torch.Tensor | None = None,  # [B, K]
     exponentials: torch.Tensor | None = None,  # [B, V]
+    rule: AcceptRule = AcceptRule(),
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
@@ -224,7 +272,7 @@ def verify_block_triton(
     stats_sum = torch.empty(B, K1, dtype=torch.float32, device=dev)
     sampling = temperature > 0
     _position_stats_kernel[(B * K1,)](
-        logits, drafts, out.entropy, out.argmax, out.token_prob, stats_max, stats_sum,
+        logits, drafts, out.entropy, out.top3_entropy, out.argmax, out.token_prob, stats_max, stats_sum,
         K, V, float(temperature) if sampling else 1.0, SCALED=sampling, BLOCK_V=1024,
     )
     has_clf = classifier is not None
@@ -244,9 +292,9 @@ def verify_block_triton(
         dp = un = ex = dummy
     _accept_kernel[(B,)](
         logits, drafts, hid, w1, b1, w2, b2, dp, un, ex,
-        out.entropy, out.argmax, out.token_prob, stats_max, stats_sum,
+        out.entropy, out.top3_entropy, out.argmax, out.token_prob, stats_max, stats_sum,
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token,
-        K, V, H, D, float(sigma), float(floor), float(temperature) if sampling else 1.0,
-        HAS_CLF=has_clf, SAMPLING=sampling, **launch_config(K, V, H, D),
+        K, V, H, D, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a), float(rule.b),
+        int(rule.b) if rule.name == "fly" else 0, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D),
     )
     return out

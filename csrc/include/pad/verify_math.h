@@ -54,9 +54,24 @@ struct RowStats {
   float sum;       // sum of exp(x - max)
   float sum_dexp;  // sum of exp(x - max) * (x - max) over finite x (<= 0): entropy = log(sum) - sum_dexp / sum
   int64_t argmax;  // lowest index attaining max (-1 while empty)
+  float second, third;  // the next two largest x (a tie with max counts as one of them); -inf while absent
 };
 
-PAD_HD RowStats row_empty() { return RowStats{-INFINITY, 0.0f, 0.0f, -1}; }
+PAD_HD RowStats row_empty() { return RowStats{-INFINITY, 0.0f, 0.0f, -1, -INFINITY, -INFINITY}; }
+
+// Keep the three largest of (top0 >= top1 >= top2) and x; NaN never enters.
+PAD_HD void top3_push(float& top0, float& top1, float& top2, float x) {
+  if (x > top0) {
+    top2 = top1;
+    top1 = top0;
+    top0 = x;
+  } else if (x > top1) {
+    top2 = top1;
+    top1 = x;
+  } else if (x > top2) {
+    top2 = x;
+  }
+}
 
 // Rescale a state to a new, larger-or-equal max. A state with max -inf holds no mass: its sums become
 // 0 (or stay NaN, so that NaN logits always surface in the entropy).
@@ -76,6 +91,8 @@ PAD_HD void row_rescale(RowStats& s, float new_max) {
 
 // Add one logit x at vocabulary index v; indices must arrive in increasing order for the tie rule.
 PAD_HD void row_push(RowStats& s, float x, int64_t v) {
+  float top0 = s.max;  // the max itself moves by row_rescale below
+  top3_push(top0, s.second, s.third, x);
   if (x > s.max) {
     row_rescale(s, x);
     s.argmax = v;
@@ -95,15 +112,34 @@ PAD_HD RowStats row_merge(RowStats a, RowStats b) {
   if (a.max > b.max || b.argmax < 0) arg = a.argmax;
   else if (b.max > a.max || a.argmax < 0) arg = b.argmax;
   else arg = a.argmax < b.argmax ? a.argmax : b.argmax;
+  // The two largest of b's three join a's (b's max joins as a value; the larger max is m).
+  float top0 = a.max, top1 = a.second, top2 = a.third;
+  top3_push(top0, top1, top2, b.max);
+  top3_push(top0, top1, top2, b.second);
+  top3_push(top0, top1, top2, b.third);
   row_rescale(a, m);
   row_rescale(b, m);
-  return RowStats{m, a.sum + b.sum, a.sum_dexp + b.sum_dexp, arg};
+  return RowStats{m, a.sum + b.sum, a.sum_dexp + b.sum_dexp, arg, top1, top2};
 }
 
 // Natural-log entropy; non-finite when the logits were (a row of only -inf gives -inf, as the reference).
 PAD_HD float row_entropy(const RowStats& s) {
   if (s.sum == 0.0f) return -INFINITY;
   return logf(s.sum) - s.sum_dexp / s.sum;
+}
+
+// -sum p log p over the three largest probabilities of the full softmax (FLy's gate); zero mass adds 0.
+PAD_HD float row_top3_entropy(const RowStats& s) {
+  if (!(s.sum > 0.0f)) return s.sum != s.sum ? s.sum : 0.0f;  // NaN stays NaN; no mass: 0, as the reference
+  const float log_sum = logf(s.sum);
+  const float top[3] = {s.max, s.second, s.third};
+  float h = 0.0f;
+  for (int j = 0; j < 3; ++j) {
+    if (top[j] == -INFINITY) continue;
+    const float logp = (top[j] - s.max) - log_sum;
+    h -= expf(logp) * logp;
+  }
+  return h;
 }
 
 // A draft token id outside [0, V) reads no memory: its p is NaN, which no rule accepts (verify_block
@@ -135,6 +171,21 @@ PAD_HD float pivot_prob(Load h_at, int64_t H, const float* f, int F, const float
   return 1.0f / (1.0f + expf(-score));
 }
 
+// Training-free relaxations of the exact rule (pad_kernels.AcceptRule; codes are RULES' order there).
+enum RuleKind : int { kRuleExact = 0, kRuleTypical = 1, kRuleThreshold = 2, kRuleFly = 3 };
+
+struct Rule {
+  int kind;
+  float a, b;  // typical: epsilon, delta; threshold: tau; fly: gate, window
+};
+
+// Typical or threshold acceptance of a token the exact rule rejected (fly is decided over the row).
+PAD_HD bool rule_override(const Rule& r, float p_draft, float entropy) {
+  if (r.kind == kRuleTypical) return p_draft > fminf(r.a, r.b * expf(-entropy));
+  if (r.kind == kRuleThreshold) return p_draft >= r.a;
+  return false;
+}
+
 // Exact-rule test of one draft token: greedy d == argmax; sampling u * q(d) <= p(d).
 PAD_HD bool exact_accept(bool sampling, int64_t draft, int64_t argmax, float u, float q_draft, float p_draft) {
   return sampling ? u * q_draft <= p_draft : draft == argmax;
@@ -145,21 +196,34 @@ PAD_HD bool pivot_override(bool has_classifier, float sigma, float floor_, float
   return has_classifier && sigma > 0.0f && pivot_prob_ <= sigma && p_draft >= floor_;
 }
 
+// FLy's window: draft i (0-based) is followed, inside the block, by window - 1 drafts equal to the argmax.
+PAD_HD bool fly_window_matches(int64_t b, int64_t i, int64_t K, int64_t window, const int64_t* drafts,
+                               const int64_t* argmax) {
+  if (i + window > K) return false;  // the window runs past the block: rejected in this block
+  for (int64_t k = i + 1; k < i + window; ++k)
+    if (drafts[b * K + k] != argmax[b * (K + 1) + k]) return false;
+  return true;
+}
+
 // The accepted prefix of row b: writes accepted / pivot_accepted [K] of the row, returns how many.
-// Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms [B, K]; argmax [B, K+1];
-// draft_probs [B, K, V], read only when sampling).
+// Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms [B, K]; argmax, entropy,
+// top3_entropy [B, K+1]; draft_probs [B, K, V], read only when sampling).
 PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts, const int64_t* argmax,
                           const float* token_prob, const float* pivot_prob, const float* draft_probs,
                           const float* uniforms, bool sampling, bool has_classifier, float sigma, float floor_,
-                          bool* accepted, bool* pivot_accepted) {
+                          const Rule& rule, const float* entropy, const float* top3_entropy, bool* accepted,
+                          bool* pivot_accepted) {
   int64_t n = 0;
   bool open = true;
   for (int64_t i = 0; i < K; ++i) {
-    const int64_t j = b * K + i, d = drafts[j];
+    const int64_t j = b * K + i, d = drafts[j], at = b * (K + 1) + i;
     const float q = sampling && in_vocab(d, V) ? draft_probs[j * V + d] : 0.0f;
-    const bool exact = exact_accept(sampling, d, argmax[b * (K + 1) + i], sampling ? uniforms[j] : 0.0f, q,
-                                    token_prob[j]);
-    open = open && (exact || pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]));
+    const bool exact = exact_accept(sampling, d, argmax[at], sampling ? uniforms[j] : 0.0f, q, token_prob[j]);
+    const bool relaxed = pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]) ||
+                         rule_override(rule, token_prob[j], entropy[at]) ||
+                         (rule.kind == kRuleFly && in_vocab(d, V) && top3_entropy[at] >= rule.a &&
+                          fly_window_matches(b, i, K, (int64_t)rule.b, drafts, argmax));
+    open = open && (exact || relaxed);
     accepted[j] = open;
     pivot_accepted[j] = open && !exact;
     n += open;
