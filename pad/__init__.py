@@ -3,6 +3,8 @@ __version__ = "0.1.0"
 
 from .classifier import PivotClassifier
 from .generate import POLICIES, GenerationResult, generate
+from .policy import Policy, parse_policy
 from .stats import GenerationStats
 
-__all__ = ["POLICIES", "GenerationResult", "GenerationStats", "PivotClassifier", "generate", "__version__"]
+__all__ = ["POLICIES", "GenerationResult", "GenerationStats", "PivotClassifier", "Policy", "generate", "parse_policy",
+           "__version__"]

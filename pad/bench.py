@@ -17,10 +17,11 @@ import torch
 from . import jsonl, tasks
 from .decoder import left_padded
 from .generate import DECODE_VERSION, generate
+from .policy import Policy, parse_policy
 from .machine import machine_line
 from .registry import check_weights
 
-BASE_POLICIES = ("target", "draft", "exact", "hf-assisted", "hf-target")
+HF_POLICIES = ("hf-assisted", "hf-target")  # transformers' own generate, as baselines
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
 # on GPUs, kernel compilation stay out of the timings).
 WARMUP_TOKENS = 8
@@ -29,29 +30,45 @@ WARMUP_TOKENS = 8
 @dataclass
 class PolicySpec:
     name: str  # as written: "pivot@0.5"
-    policy: str  # "target" | "draft" | "exact" | "pivot" | "hf-assisted" | "hf-target"
+    policy: str  # "target" | "draft" | "exact" | "pivot" | "typical" | "threshold" | "fly" | "hf-assisted" | "hf-target"
     sigma: float = 0.0
+    parsed: Policy | None = None  # for pad.generate's policies
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """``"target,exact,pivot@0.5"`` -> specs; raises ValueError on an unknown name or a bad sigma."""
-    specs = []
-    for name in (t.strip() for t in text.split(",") if t.strip()):
-        if name.startswith("pivot@"):
-            try:
-                sigma = float(name.split("@", 1)[1])
-            except ValueError:
-                raise ValueError(f"bad sigma in policy {name!r}") from None
-            if not 0.0 <= sigma <= 1.0:
-                raise ValueError(f"sigma in policy {name!r} must be in [0, 1]")
-            specs.append(PolicySpec(name, "pivot", sigma))
-        elif name in BASE_POLICIES:
-            specs.append(PolicySpec(name, name))
+    """``"target,exact,pivot@0.5,typical@0.09,0.3"`` -> specs; raises ValueError on an unknown name or bad
+    settings. Policies are separated by commas; a policy's own settings by commas too, so a comma followed
+    by a number continues the policy before it (``typical@0.09,0.3,fly`` is two policies)."""
+    specs, names = [], []
+    for part in (t.strip() for t in text.split(",") if t.strip()):
+        if names and "@" in names[-1] and _is_number(part):
+            names[-1] += "," + part
         else:
-            raise ValueError(f"unknown policy {name!r}; use {', '.join(BASE_POLICIES)} or pivot@SIGMA")
+            names.append(part)
+    for name in names:
+        if name in HF_POLICIES:
+            specs.append(PolicySpec(name, name))
+            continue
+        try:
+            parsed = parse_policy(name)
+        except ValueError as e:
+            raise ValueError(f"{e}; the benchmark also runs {', '.join(HF_POLICIES)}") from None
+        if parsed.name == "pivot" and parsed.sigma is None:
+            raise ValueError("write the pivot policy with its sigma: pivot@SIGMA")
+        specs.append(PolicySpec(name, parsed.name, parsed.sigma or 0.0, parsed))
     if not specs:
         raise ValueError("no policies given")
+    if len({s.name for s in specs}) < len(specs):
+        raise ValueError(f"a policy is listed twice in {text!r}")
     return specs
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -263,8 +280,8 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
         news, seconds, forwards = _hf_target(target, batch, mask, max_new_tokens, eos, pad)
         rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0}) for new in news]
     else:
-        result = generate(target, draft, batch, attention_mask=mask, policy=spec.policy,
-                          classifier=classifier if spec.policy == "pivot" else None, sigma=spec.sigma, floor=floor,
+        result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
+                          classifier=classifier if spec.policy == "pivot" else None, floor=floor,
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
         seconds, P = result.stats.wall_time, batch.shape[1]
         rows = [(result.sequences[i, P : P + int(result.lengths[i])].tolist(),

@@ -77,8 +77,11 @@ def _data_checksum(path) -> str:
 def _generate(args) -> int:
     from . import generate
 
-    classifier = _classifier(args) if args.policy == "pivot" or args.classifier else None
-    target, tokenizer, draft = _load_pair(args, need_draft=args.policy != "target")
+    from .policy import parse_policy
+
+    name = parse_policy(args.policy).name if args.policy else None  # a bad policy fails before loading models
+    classifier = _classifier(args) if name == "pivot" or args.classifier else None
+    target, tokenizer, draft = _load_pair(args, need_draft=name != "target")
     text = args.prompt
     if args.chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -210,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy; default: "
                                         "the one shipped for the default pair)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--policy", choices=POLICIES, help="default: pivot with a classifier, else exact")
+    g.add_argument("--policy", help=f"{', '.join(POLICIES)}, with settings after @ (pivot@0.5, typical@0.09,0.3, "
+                                    "threshold@0.5, fly@0.3,6); default: pivot with a classifier, else exact")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=8)
     g.add_argument("--sigma", type=float, default=0.5)
     g.add_argument("--floor", type=float, default=1e-4)
@@ -228,8 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(b)
     b.add_argument("--limit", type=int, default=20, help="number of problems (from the start of the file)")
     b.add_argument("--policies", default="target,exact,hf-assisted",
-                   help="comma-separated: target, draft, exact, pivot@SIGMA, hf-assisted (transformers' assisted "
-                        "generation, one problem at a time), hf-target (transformers' batched generate, target alone)")
+                   help="comma-separated: target, draft, exact, pivot@SIGMA, typical[@EPS,DELTA], threshold@TAU, "
+                        "fly[@GATE,WINDOW], hf-assisted (transformers' assisted generation, one problem at a time), "
+                        "hf-target (transformers' batched generate, target alone)")
     b.add_argument("--batch-size", "-b", type=int, default=1,
                    help="problems decoded together per policy (tokens/s is then aggregate)")
     b.add_argument("--num-draft-tokens", "-k", type=int, default=4)

@@ -9,14 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pad_kernels import FoldedClassifier, verify_block
+from pad_kernels import AcceptRule, FoldedClassifier, verify_block
+from pad_kernels.verify import check_rule
 
 from .classifier import PivotClassifier
 from .decoder import Decoder, left_pad
 from .hf import LayerCapture, eos_ids, shared_vocab_size, vocab_size
+from .policy import NAMES as POLICIES
+from .policy import Policy, parse_policy
 from .stats import GenerationStats
 
-POLICIES = ("target", "draft", "exact", "pivot")
 # Bumped whenever a change to the decode path can change the tokens, counts or timings it produces:
 # benchmark run logs record it and never reuse a run of another version.
 DECODE_VERSION = 2
@@ -118,7 +120,7 @@ def generate(
     draft,
     input_ids,
     *,
-    policy: str | None = None,
+    policy: str | Policy | None = None,
     classifier=None,
     num_draft_tokens: int = 8,
     sigma: float = 0.5,
@@ -139,9 +141,11 @@ def generate(
     Every row decodes exactly as it would alone: each row accepts its own prefix of each block, and rows
     that finish (EOS or budget) leave the batch.
     policy: ``"target"`` (target alone), ``"draft"`` (draft alone), ``"exact"`` (standard speculative
-    decoding, output distributed exactly as the target's), ``"pivot"`` (also accept a rejected draft token
-    when ``pivot_prob <= sigma`` and ``p_target(token) >= floor``); None means ``"pivot"`` when a classifier
-    is given, else ``"exact"``. classifier: a ``PivotClassifier`` or the folder it was saved to.
+    decoding, output distributed exactly as the target's), ``"pivot"`` or ``"pivot@SIGMA"`` (also accept a
+    rejected draft token when ``pivot_prob <= sigma`` and ``p_target(token) >= floor``), or a training-free
+    relaxation: ``"typical@EPSILON,DELTA"``, ``"threshold@TAU"``, ``"fly@GATE,WINDOW"`` (``pad.policy``; a
+    parsed ``pad.Policy`` works too); None means ``"pivot"`` when a classifier is given, else ``"exact"``.
+    classifier: a ``PivotClassifier`` or the folder it was saved to.
     temperature 0 is greedy; > 0 samples (with top_p), reproducibly when ``seed`` is set.
     pad_token_id: fills the rows that end before the longest (default: the target's generation config,
     else its first EOS id).
@@ -151,7 +155,11 @@ def generate(
     nothing); both caches are cropped to the committed tokens by then.
     Returns ``GenerationResult(sequences [B, P + N], stats, lengths [B], row_stats)``.
     """
-    policy = policy if policy is not None else ("pivot" if classifier is not None else "exact")
+    parsed = parse_policy(policy) if policy is not None else Policy("pivot" if classifier is not None else "exact")
+    policy, rule = parsed.name, parsed.rule
+    if parsed.sigma is not None:
+        sigma = parsed.sigma
+    check_rule(rule, temperature)  # a greedy-only rule with sampling fails before any model runs
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
     ids, prompts = _prompts(input_ids, attention_mask)
     if draft is None and policy != "target":
@@ -185,7 +193,7 @@ def generate(
         else:
             _decode_speculative(Decoder(target, vocab, len(prompts)), Decoder(draft, vocab, len(prompts)), run, clf,
                                 num_draft_tokens, sigma if clf is not None else 0.0, floor, temperature, top_p, gen,
-                                backend)
+                                backend, rule)
     stats = run.total()
     lengths = torch.tensor([len(n) for n in run.new], dtype=torch.long)
     tail = torch.full((len(prompts), int(lengths.max()) if len(lengths) else 0), pad, dtype=torch.long)
@@ -320,7 +328,7 @@ def _decode_alone(dec, run, policy, temperature, top_p, gen, backend) -> None:
 
 
 def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temperature, top_p, gen,
-                        backend) -> None:
+                        backend, rule: AcceptRule = AcceptRule()) -> None:
     """Draft K tokens for every live row, verify all rows in one target forward, accept a prefix per row,
     commit, mark each row's rejected columns as holes, drop finished rows."""
     folded: FoldedClassifier | None = clf.fold().to(tgt.device) if clf is not None else None
@@ -361,7 +369,7 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                 capture.value if capture is not None else None, folded,
                 sigma=sigma, floor=floor, temperature=temperature,
                 draft_probs=torch.stack(draft_probs, 1).to(tgt.device) if gen is not None else None,
-                uniforms=uniforms, exponentials=exponentials, backend=backend,
+                uniforms=uniforms, exponentials=exponentials, rule=rule, backend=backend,
             )
 
             # 3. Accept: the block's only device-to-host sync.

@@ -64,7 +64,7 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     calls = []
     # Warm-up decodes (WARMUP_TOKENS new tokens) are not runs: count only the timed ones.
     monkeypatch.setattr(bench, "generate", lambda *a, **k: (k["max_new_tokens"] == bench.WARMUP_TOKENS
-                                                            or calls.append(k["policy"])) and None or real(*a, **k))
+                                                            or calls.append(k["policy"].name)) and None or real(*a, **k))
     resumed = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
     assert len(calls) == 4 and len(log.read_text().splitlines()) == 9  # only the 4 missing runs, no duplicate
     for a, b in zip(clean, resumed):
@@ -122,7 +122,7 @@ def test_each_policy_warms_up_before_its_first_timed_run(tmp_path, monkeypatch):
     specs = bench.parse_policies("target,exact,pivot@0.6,hf-assisted")
     calls = []
     real_generate, real_hf = bench.generate, bench._hf_assisted
-    monkeypatch.setattr(bench, "generate", lambda *a, **k: calls.append((k["policy"], k["max_new_tokens"]))
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: calls.append((k["policy"].name, k["max_new_tokens"]))
                         or real_generate(*a, **k))
     monkeypatch.setattr(bench, "_hf_assisted", lambda t, d, ids, k, n, eos: calls.append(("hf-assisted", n))
                         or real_hf(t, d, ids, k, n, eos))

@@ -1,0 +1,89 @@
+"""One policy grammar for pad.generate and the benchmark; the training-free rules decode as the op says."""
+import pytest
+import torch
+
+import pad
+from pad import bench
+from pad.policy import Policy, parse_policy
+from pad_kernels import AcceptRule
+from tiny import tiny_pair
+
+
+def test_grammar_and_defaults():
+    assert parse_policy("exact") == Policy("exact")
+    assert parse_policy("pivot@0.3") == Policy("pivot", sigma=0.3) and parse_policy("pivot").sigma is None
+    assert parse_policy("typical").rule == AcceptRule.typical(0.09, 0.3)
+    assert parse_policy("typical@0.2").rule == AcceptRule.typical(0.2, 0.3)
+    assert parse_policy("typical@0.2,0.5").rule == AcceptRule.typical(0.2, 0.5)
+    assert parse_policy("threshold@0.5").rule == AcceptRule.threshold(0.5)
+    assert parse_policy("fly").rule == AcceptRule.fly(0.3, 6) and parse_policy("fly@0.5,4").rule == AcceptRule.fly(0.5, 4)
+    for spec in ("typical@0.2,0.5", "threshold@0.5", "fly@0.5,4", "pivot@0.3", "target"):
+        assert str(parse_policy(spec)) == spec and parse_policy(str(parse_policy(spec))) == parse_policy(spec)
+    assert parse_policy(parse_policy("fly")) == parse_policy("fly")  # parsed objects pass through
+    for bad, match in (("fast", "unknown policy"), ("threshold", "needs tau"), ("typical@x", "bad number"),
+                       ("typical@0.1,0.2,0.3", "takes 2 setting"), ("fly@0.3,2.5", "whole number"),
+                       ("threshold@1.5", "0 <= tau <= 1"), ("pivot@2", "must be in"), ("exact@1", "takes 0")):
+        with pytest.raises(ValueError, match=match):
+            parse_policy(bad)
+    with pytest.raises(TypeError):
+        parse_policy(3)
+
+
+def test_bench_reads_the_same_grammar():
+    specs = bench.parse_policies("target,typical@0.09,0.3,fly,threshold@0.4,pivot@0.5,hf-target")
+    assert [s.name for s in specs] == ["target", "typical@0.09,0.3", "fly", "threshold@0.4", "pivot@0.5", "hf-target"]
+    assert specs[1].parsed.rule == AcceptRule.typical(0.09, 0.3) and specs[4].sigma == 0.5
+    for bad in ("pivot", "exact,exact", "nucleus"):
+        with pytest.raises(ValueError):
+            bench.parse_policies(bad)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair("llama", scale=0.6)
+
+
+def _prompts(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 96, (1, 4 + i % 3), generator=g) for i in range(n)]
+
+
+@pytest.mark.parametrize("spec", ["typical@1,inf", "threshold@1", "fly@inf,6"])
+def test_a_rule_at_its_exact_setting_decodes_as_exact(pair, spec):
+    target, draft = pair
+    for prompt in _prompts(4):
+        exact = pad.generate(target, draft, prompt, policy="exact", num_draft_tokens=4, max_new_tokens=24)
+        got = pad.generate(target, draft, prompt, policy=spec, num_draft_tokens=4, max_new_tokens=24)
+        assert torch.equal(got.sequences, exact.sequences)
+        assert got.stats.accepted == exact.stats.accepted and got.stats.pivot_accepted == 0
+
+
+@pytest.mark.parametrize("spec", ["typical@0.3,0.5", "threshold@0.005", "fly@0.0,1"])
+def test_relaxed_rules_accept_more_and_count_what_they_relax(pair, spec):
+    """The rule reaches the op: a loose setting accepts a larger share of the drafts than exact, and the
+    tokens accepted against the exact rule are counted."""
+    target, draft = pair
+    relaxed = exact = pivot_accepted = 0
+    for prompt in _prompts(4):
+        e = pad.generate(target, draft, prompt, policy="exact", num_draft_tokens=4, max_new_tokens=24)
+        r = pad.generate(target, draft, prompt, policy=spec, num_draft_tokens=4, max_new_tokens=24)
+        exact += e.stats.accepted / e.stats.drafted
+        relaxed += r.stats.accepted / r.stats.drafted
+        pivot_accepted += r.stats.pivot_accepted
+    assert relaxed > exact and pivot_accepted > 0
+
+
+def test_greedy_only_rule_with_sampling_is_refused_before_decoding(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="greedy decoding only"):
+        pad.generate(target, draft, _prompts(1)[0], policy="fly", temperature=0.8)
+
+
+def test_sampling_rules_run_batched(pair):
+    target, draft = pair
+    ids = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(1))
+    for spec in ("typical", "threshold@0.3"):
+        out = pad.generate(target, draft, ids, policy=spec, temperature=0.9, seed=0, max_new_tokens=12)
+        assert out.sequences.shape[0] == 3 and int(out.lengths.min()) > 0
+        again = pad.generate(target, draft, ids, policy=spec, temperature=0.9, seed=0, max_new_tokens=12)
+        assert torch.equal(out.sequences, again.sequences)  # reproducible with a seed
