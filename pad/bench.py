@@ -192,6 +192,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     extra = {"pivot": {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor},
              "hf-assisted": {"hf_assisted": HF_ASSISTED}}
     totals = {s.name: PolicyTotals() for s in specs}
+    correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
     warm = set()  # policies warmed up in this process
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for start in range(0, len(problems), batch_size):
@@ -220,13 +221,36 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                            f"{sum(r['seconds'] for r in fresh):.1f}s"
                 else:
                     note = f"{spec.name}: from {log.name}"
-                for record in found:
+                for p, record in zip(group, found):
                     totals[spec.name].add(record)
+                    correct[spec.name][p.id] = bool(record["correct"])
                 bar.update(len(group))
                 bar.set_postfix_str(note)
     bar.close()
     target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
-    return [totals[s.name].row(s.name, target_tps) for s in specs]
+    rows = [totals[s.name].row(s.name, target_tps) for s in specs]
+    for row in rows:
+        diff, low, high = (paired_difference([correct[row["policy"]][p.id] for p in problems],
+                                             [correct["target"][p.id] for p in problems])
+                           if "target" in correct else (math.nan,) * 3)
+        row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high)
+    return rows
+
+
+PAIRED_RESAMPLES = 10_000
+
+
+def paired_difference(a: list[bool], b: list[bool], resamples: int = PAIRED_RESAMPLES, seed: int = 0):
+    """Accuracy of ``a`` minus that of ``b`` over the same problems, with a 95% paired bootstrap interval
+    (percentile; problems resampled with replacement, both outcomes of a problem kept together)
+    -> (difference, low, high)."""
+    if len(a) != len(b) or not a:
+        raise ValueError("paired outcomes need the same, non-empty list of problems")
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    means = d[torch.randint(0, len(d), (resamples, len(d)), generator=g)].mean(1)
+    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(d.mean()), low, high
 
 
 def _reset_peak_memory() -> None:
@@ -301,17 +325,26 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
 COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acceptance_rate", "acceptance", "{:.1%}"),
            ("mean_accepted_length", "tokens / target forward", "{:.2f}"),
            ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
-           ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("new_tokens", "new tokens", "{}"),
+           ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("accuracy_vs_target", "accuracy - target [95% CI]", None),
+           ("new_tokens", "new tokens", "{}"),
            ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}")]
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    def cell(value, fmt):
-        return "n/a" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+    def cell(row, key, fmt):
+        value = row[key]
+        if isinstance(value, float) and math.isnan(value):
+            return "n/a"
+        if key == "accuracy_vs_target":  # points, with the paired interval
+            return (f"{100 * value:+.1f} [{100 * row['accuracy_vs_target_low']:+.1f}, "
+                    f"{100 * row['accuracy_vs_target_high']:+.1f}]")
+        return fmt.format(value)
 
     lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r[key], fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(cell(r, key, fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
+    note = (f"Accuracy differences are in points, against the target alone on the same problems, with a 95% "
+            f"paired bootstrap interval ({PAIRED_RESAMPLES} resamples of problems, percentile).")
+    return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = False) -> list[Path]:
@@ -328,6 +361,8 @@ def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = 
 
 
 def _plot(rows, path: Path, title: str) -> Path:
+    """Accuracy against tokens/s and against tokens per target forward, every policy one point (its paired
+    interval as an error bar, shifted by the target's accuracy); target and exact marked."""
     try:
         import matplotlib
 
@@ -335,22 +370,28 @@ def _plot(rows, path: Path, title: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        ax.scatter(r["speedup_vs_target"], r["accuracy"])
-        ax.annotate(r["policy"], (r["speedup_vs_target"], r["accuracy"]))
-    ax.set_xlabel("speedup vs target (tokens/s)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title.splitlines()[0][:80], fontsize=8)
+    target = next((r for r in rows if r["policy"] == "target"), None)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"),
+                           (axes[1], "mean_accepted_length", "tokens per target forward")):
+        for r in rows:
+            x, y = r[key], r["accuracy"]
+            if isinstance(x, float) and math.isnan(x):
+                continue
+            style = {"target": dict(marker="s", s=70, c="black"), "exact": dict(marker="D", s=60, c="tab:red")}.get(
+                r["policy"], dict(marker="o", s=35))
+            ax.scatter(x, y, zorder=3, **style)
+            if target is not None and not math.isnan(r.get("accuracy_vs_target_low", math.nan)):
+                base = target["accuracy"]
+                ax.errorbar(x, y, yerr=[[y - (base + r["accuracy_vs_target_low"])],
+                                        [base + r["accuracy_vs_target_high"] - y]],
+                            fmt="none", ecolor="grey", alpha=0.5, zorder=2)
+            ax.annotate(r["policy"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (bar: paired 95% interval vs target)")
+    fig.suptitle(title.splitlines()[0][:120], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
-
-
-def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, dtype: str,
-           command: str, classifier: str | None = None, batch_size: int = 1) -> str:
-    clf = f"; classifier {classifier}" if classifier else ""
-    batch = (f"; batches of {batch_size} problems (hf-assisted one at a time: transformers refuses batches)"
-             if batch_size > 1 else "")
-    return (f"{task}, {n} problems, K={k}, max {max_new_tokens} new tokens, greedy, {dtype}; target {target_name}, "
-            f"draft {draft_name}{clf}{batch}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

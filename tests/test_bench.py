@@ -4,6 +4,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from pad import bench, tasks
 from test_cli import _tokenizer
@@ -194,3 +195,35 @@ def test_batched_bench_keeps_per_problem_results(tmp_path):
     assert by[3]["hf-target"]["target_forwards_per_token"] >= 1.0
     with pytest.raises(ValueError, match="batch size"):
         bench.run("gsm8k", problems, target, draft, tok, specs, batch_size=0, **kwargs)
+
+
+def test_paired_difference_interval():
+    same = [True, False, True, True]
+    assert bench.paired_difference(same, same) == (0.0, 0.0, 0.0)
+    assert bench.paired_difference([True] * 5, [False] * 5) == (1.0, 1.0, 1.0)
+    g = torch.Generator().manual_seed(0)
+    a = (torch.rand(400, generator=g) < 0.7).tolist()
+    b = [x if torch.rand(1, generator=g) < 0.9 else not x for x in a]  # mostly the same outcomes: paired
+    d, low, high = bench.paired_difference(a, b)
+    diffs = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    se = float(diffs.std() / len(a) ** 0.5)  # the normal approximation the bootstrap should be close to
+    assert d == pytest.approx(float(diffs.mean())) and low < d < high
+    assert low == pytest.approx(d - 1.96 * se, abs=0.01) and high == pytest.approx(d + 1.96 * se, abs=0.01)
+    with pytest.raises(ValueError):
+        bench.paired_difference([True], [True, False])
+
+
+def test_table_and_plot_show_the_paired_difference(tmp_path):
+    nan = float("nan")
+    rows = [{"policy": name, "problems": 10, "accuracy": acc, "acceptance_rate": nan, "mean_accepted_length": tpf,
+             "target_forwards_per_token": 1 / tpf, "new_tokens": 100, "tokens_per_s": tps, "speedup_vs_target": 1.0,
+             "batch_size": 1, "peak_mib": nan, "accuracy_vs_target": acc - 0.5, "accuracy_vs_target_low": low,
+             "accuracy_vs_target_high": high}
+            for name, acc, tpf, tps, low, high in (("target", 0.5, 1.0, 4.0, 0.0, 0.0),
+                                                  ("exact", 0.5, 2.5, 7.0, 0.0, 0.0),
+                                                  ("typical@0.09,0.3", 0.45, 3.1, 8.0, -0.15, 0.05))]
+    paths = bench.write(rows, tmp_path, "t", "header line", plot=True)
+    text = paths[1].read_text()
+    assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0]" in text and "paired bootstrap" in text
+    png = paths[2].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
