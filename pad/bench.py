@@ -168,7 +168,8 @@ class RunLog:
 
 def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,
         max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
-        settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1) -> list[dict]:
+        settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1,
+        draft_stop: float | None = None) -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
     Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` one at a time:
@@ -189,6 +190,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     base = {**(settings or {}), "task": task, "prompt": tasks.prompt_fingerprint(task),
             "utility": tasks.UTILITY_VERSION[task], "decode": DECODE_VERSION, "k": num_draft_tokens,
             "max_new_tokens": max_new_tokens, "machine": machine_line(with_commit=False)}
+    if draft_stop is not None:  # absent otherwise, so that the logs of fixed-length runs stay valid
+        base["draft_stop"] = draft_stop
     extra = {"pivot": {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor},
              "hf-assisted": {"hf_assisted": HF_ASSISTED}}
     totals = {s.name: PolicyTotals() for s in specs}
@@ -209,10 +212,11 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
-                                   num_draft_tokens, min(WARMUP_TOKENS, max_new_tokens), eos, score=False)
+                                   num_draft_tokens, min(WARMUP_TOKENS, max_new_tokens), eos, score=False,
+                                   draft_stop=draft_stop)
                         warm.add(spec.name)
                     fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
-                                       num_draft_tokens, max_new_tokens, eos)
+                                       num_draft_tokens, max_new_tokens, eos, draft_stop=draft_stop)
                     for i, (p, record) in enumerate(zip(group, fresh)):
                         if found[i] is None:
                             found[i] = record
@@ -290,7 +294,7 @@ def _hf_target(target, ids, mask, max_new_tokens, eos, pad) -> tuple[list[list[i
 
 
 def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
-               score: bool = True) -> list[dict]:
+               score: bool = True, draft_stop: float | None = None) -> list[dict]:
     """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
     PolicyTotals adds up; ``seconds`` is the batch's wall time split evenly over its rows). ``score=False``:
     a warm-up, not scored."""
@@ -306,7 +310,8 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
     else:
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
                           classifier=classifier if spec.policy == "pivot" else None, floor=floor,
-                          num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+                          num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                          draft_stop=draft_stop)
         seconds, P = result.stats.wall_time, batch.shape[1]
         rows = [(result.sequences[i, P : P + int(result.lengths[i])].tolist(),
                  {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted})
@@ -395,3 +400,13 @@ def _plot(rows, path: Path, title: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, dtype: str,
+           command: str, classifier: str | None = None, batch_size: int = 1, draft_stop: float | None = None) -> str:
+    clf = f"; classifier {classifier}" if classifier else ""
+    batch = (f"; batches of {batch_size} problems (hf-assisted one at a time: transformers refuses batches)"
+             if batch_size > 1 else "")
+    drafts = f"K={k}" if draft_stop is None else f"K<={k} (drafting stops below draft probability {draft_stop:g})"
+    return (f"{task}, {n} problems, {drafts}, max {max_new_tokens} new tokens, greedy, {dtype}; target {target_name}, "
+            f"draft {draft_name}{clf}{batch}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

@@ -93,7 +93,7 @@ def _generate(args) -> int:
 
     result = generate(
         target, draft, input_ids, policy=args.policy, classifier=classifier,
-        num_draft_tokens=args.num_draft_tokens, sigma=args.sigma, floor=args.floor,
+        num_draft_tokens=args.num_draft_tokens, sigma=args.sigma, floor=args.floor, draft_stop=args.draft_stop,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         callback=stream if args.stream else None,
     )
@@ -128,17 +128,19 @@ def _bench(args) -> int:
 
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
     stem = (f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
-            + (f"_b{args.batch_size}" if args.batch_size > 1 else ""))
+            + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
+            + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,
+                     draft_stop=args.draft_stop,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
                         args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None,
-                        args.batch_size)
+                        args.batch_size, args.draft_stop)
     print(bench.markdown(rows, head))
     if args.out:
         for path in bench.write(rows, Path(args.out), stem, head, plot=args.plot):
@@ -205,6 +207,10 @@ def _train(args) -> int:
     return 0
 
 
+DRAFT_STOP_HELP = ("adaptive draft length: a row stops drafting after a token at which the draft's top "
+                   "probability is below this; -k is then the most a block drafts")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Pivot-aware speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "threshold@0.5, fly@0.3,6); default: pivot with a classifier, else exact")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=8)
     g.add_argument("--sigma", type=float, default=0.5)
+    g.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP)
     g.add_argument("--floor", type=float, default=1e-4)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -238,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", "-b", type=int, default=1,
                    help="problems decoded together per policy (tokens/s is then aggregate)")
     b.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    b.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP + " (every speculative policy)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)
     b.add_argument("--classifier", help="PivotClassifier folder for the pivot@SIGMA policies (default: the one "

@@ -134,6 +134,7 @@ def generate(
     seed: int | None = None,
     backend: str | None = None,
     callback=None,
+    draft_stop: float | None = None,
 ) -> GenerationResult:
     """Decode with a draft/target pair of HuggingFace causal LMs that share a tokenizer.
 
@@ -150,6 +151,10 @@ def generate(
     pad_token_id: fills the rows that end before the longest (default: the target's generation config,
     else its first EOS id).
     backend: verification backend (see ``pad_kernels.verify_block``).
+    draft_stop: adaptive draft length: a row stops drafting in a block after a draft token at which the
+    draft's own top probability is below ``draft_stop`` (that token is still verified);
+    ``num_draft_tokens`` is then the most a block drafts. Rows stop at different steps; the block drafts
+    on while any row goes on. None: always ``num_draft_tokens``.
     callback: called after every block as ``callback(tokens, stats)`` with the token ids it committed (for
     streaming): at B = 1 a list of ids, at B > 1 a list of B such lists (empty for rows that committed
     nothing); both caches are cropped to the committed tokens by then.
@@ -160,6 +165,8 @@ def generate(
     if parsed.sigma is not None:
         sigma = parsed.sigma
     check_rule(rule, temperature)  # a greedy-only rule with sampling fails before any model runs
+    if draft_stop is not None and not (isinstance(draft_stop, (int, float)) and 0.0 <= draft_stop <= 1.0):
+        raise ValueError(f"draft_stop must be None or a probability in [0, 1], got {draft_stop!r}")
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
     ids, prompts = _prompts(input_ids, attention_mask)
     if draft is None and policy != "target":
@@ -193,7 +200,7 @@ def generate(
         else:
             _decode_speculative(Decoder(target, vocab, len(prompts)), Decoder(draft, vocab, len(prompts)), run, clf,
                                 num_draft_tokens, sigma if clf is not None else 0.0, floor, temperature, top_p, gen,
-                                backend, rule)
+                                backend, rule, draft_stop)
     stats = run.total()
     lengths = torch.tensor([len(n) for n in run.new], dtype=torch.long)
     tail = torch.full((len(prompts), int(lengths.max()) if len(lengths) else 0), pad, dtype=torch.long)
@@ -328,7 +335,7 @@ def _decode_alone(dec, run, policy, temperature, top_p, gen, backend) -> None:
 
 
 def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temperature, top_p, gen,
-                        backend, rule: AcceptRule = AcceptRule()) -> None:
+                        backend, rule: AcceptRule = AcceptRule(), draft_stop: float | None = None) -> None:
     """Draft K tokens for every live row, verify all rows in one target forward, accept a prefix per row,
     commit, mark each row's rejected columns as holes, drop finished rows."""
     folded: FoldedClassifier | None = clf.fold().to(tgt.device) if clf is not None else None
@@ -343,9 +350,12 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
             k = min(num_draft_tokens, max(run.budget(r) for r in run.live))
 
             # 1. Draft: k tokens autoregressively; the first forward also feeds the committed tokens it lacks.
+            # With draft_stop, a row's own length ends after a draft step whose top probability is low, and
+            # drafting ends when every row has stopped (one host sync per draft step).
             ids, fed = left_pad(pend_d, drf.device)
             drafts, draft_probs = [], []
-            for _ in range(k):
+            lengths = torch.full((b,), k, dtype=torch.long) if draft_stop is not None else None
+            for step in range(k):
                 logits = drf.forward(ids, fed, keep=1)[:, -1]  # [b, V]
                 if gen is not None:
                     q = sampling_probs(logits, temperature, top_p).to(tgt.device)  # the generator's device
@@ -355,6 +365,14 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                     ids = logits.argmax(-1, keepdim=True)
                 fed = torch.ones((b, 1), dtype=torch.bool)
                 drafts.append(ids)
+                if lengths is not None:
+                    top = (q if gen is not None else torch.softmax(logits.float(), -1)).max(-1).values.cpu()
+                    lengths = torch.where((lengths == k) & (top < draft_stop), step + 1, lengths)
+                    if bool((lengths <= step + 1).all()):
+                        break
+            if lengths is not None and len(drafts) < k:  # everyone stopped: the block is that long
+                k = len(drafts)
+                lengths = lengths.clamp_max(k)
             draft_tokens = torch.cat(drafts, 1).to(tgt.device)  # [b, k]
 
             # 2. Verify: one target forward over [unseen committed..., d_1..d_k] of every row, then the fused op.
@@ -370,6 +388,7 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                 sigma=sigma, floor=floor, temperature=temperature,
                 draft_probs=torch.stack(draft_probs, 1).to(tgt.device) if gen is not None else None,
                 uniforms=uniforms, exponentials=exponentials, rule=rule, backend=backend,
+                num_drafts=lengths.to(tgt.device) if lengths is not None else None,
             )
 
             # 3. Accept: the block's only device-to-host sync.
@@ -390,8 +409,9 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
             finished = []
             for j, r in enumerate(run.live):
                 n = accepted[j]
-                # Alone, this row would have drafted only up to its own budget: count those drafts only.
-                k_row = min(k, run.budget(r))
+                # Alone, this row would have drafted only up to its own budget (and its own draft_stop
+                # length): count those drafts only.
+                k_row = min(k if lengths is None else int(lengths[j]), run.budget(r))
                 kept, done = run.commit(r, drafted[j][:n] + [tokens[j]])
                 c = len(kept)  # n + 1 unless an EOS or the budget cut the block short
                 t_holes[j, c:] = True

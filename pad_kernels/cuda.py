@@ -29,6 +29,7 @@ def verify_block_cuda(
     uniforms: torch.Tensor | None = None,  # [B, K]
     exponentials: torch.Tensor | None = None,  # [B, V]
     rule: AcceptRule = AcceptRule(),
+    num_drafts: torch.Tensor | None = None,  # [B] int64
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given."""
@@ -40,5 +41,6 @@ def verify_block_cuda(
     hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
                                                       exponentials, dev)
     extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
-                                 sigma, floor, temperature, *draws, rule.code, rule.a, rule.b, *out, scratch)
+                                 sigma, floor, temperature, *draws, rule.code, rule.a, rule.b,
+                                 None if num_drafts is None else num_drafts.contiguous(), *out, scratch)
     return out

@@ -88,7 +88,8 @@ def _check_unit(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
-def _check_rule(rule, temperature) -> None:
+def check_rule(rule, temperature: float) -> None:
+    """Raise ValueError for an unknown rule, settings out of range, or a greedy-only rule with sampling."""
     if not isinstance(rule, AcceptRule) or rule.name not in RULES:
         raise ValueError(f"rule must be a pad_kernels.AcceptRule named one of {', '.join(RULES)}, got {rule!r}")
     a, b = rule.a, rule.b
@@ -167,6 +168,7 @@ def verify_block(
     uniforms: torch.Tensor | None = None,  # [B, K] U(0,1) draws for the acceptance test
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1) draws for the correction/bonus token
     rule: AcceptRule = AcceptRule(),
+    num_drafts: torch.Tensor | None = None,  # [B] int64 in [0, K]: each row's own draft length (draft_stop)
     backend: str | None = None,
 ) -> VerifyResult:
     """Verify one block of draft tokens against the target's logits.
@@ -175,7 +177,8 @@ def verify_block(
     ``uniforms`` / ``exponentials`` left as None is drawn here from torch's global generator.
     ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``rule`` adds a training-free
     relaxation (``AcceptRule``: typical, threshold, fly); a token is accepted when the exact rule, the
-    classifier or the rule accepts it. ``K = 0`` is allowed: it only picks the next token (autoregressive
+    classifier or the rule accepts it. ``num_drafts``: rows that stopped drafting early (positions from
+    ``num_drafts[b]`` on are padding, never accepted; the token after a row's last draft is its bonus). ``K = 0`` is allowed: it only picks the next token (autoregressive
     decoding).
     """
     if temperature > 0:
@@ -186,12 +189,20 @@ def verify_block(
             exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
     _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
                   draft_probs, uniforms, exponentials)
-    _check_rule(rule, temperature)
+    check_rule(rule, temperature)
+    if num_drafts is not None:
+        B, K1 = target_logits.shape[:2]
+        if num_drafts.shape != (B,) or num_drafts.dtype != torch.int64 or num_drafts.device != target_logits.device:
+            raise ValueError(f"num_drafts must be int64 [B] = [{B}] on {target_logits.device}, got "
+                             f"{num_drafts.dtype} {tuple(num_drafts.shape)} on {num_drafts.device}")
+        # Checked on the host for CPU tensors only (a GPU check would sync); kernels clamp to [0, K].
+        if num_drafts.device.type == "cpu" and B and (num_drafts.min() < 0 or num_drafts.max() > K1 - 1):
+            raise ValueError(f"num_drafts must lie in [0, {K1 - 1}]")
     w1, b1, w2, b2 = classifier if classifier is not None else (None, None, None, None)
     out = verify_block_op(
         target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
         float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
-        float(rule.b), resolve_backend(backend, target_logits.device),
+        float(rule.b), num_drafts, resolve_backend(backend, target_logits.device),
     )
     return VerifyResult(*out)
 
@@ -204,7 +215,7 @@ OptTensor = Optional[torch.Tensor]
 def verify_block_op(
     target_logits: Tensor, draft_tokens: Tensor, hidden: OptTensor, w1: OptTensor, b1: OptTensor, w2: OptTensor,
     b2: OptTensor, sigma: float, floor: float, temperature: float, draft_probs: OptTensor, uniforms: OptTensor,
-    exponentials: OptTensor, rule: int, rule_a: float, rule_b: float, backend: str,
+    exponentials: OptTensor, rule: int, rule_a: float, rule_b: float, num_drafts: OptTensor, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``verify_block`` as a registered op (``torch.ops.pad_kernels.verify_block``) for torch.compile and
     CUDA graphs; arguments are checked by ``verify_block``, outputs in ``VerifyResult`` order."""
@@ -212,12 +223,12 @@ def verify_block_op(
     return tuple(_impl(backend)(
         target_logits, draft_tokens, hidden, classifier, sigma=sigma, floor=floor, temperature=temperature,
         draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
-        rule=AcceptRule(RULES[rule], rule_a, rule_b),
+        rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts,
     ))
 
 
 @verify_block_op.register_fake
 def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigma, floor, temperature,
-                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, backend):
+                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, backend):
     B, K1, _ = target_logits.shape
     return tuple(empty_result(B, K1 - 1, target_logits.device))

@@ -59,18 +59,17 @@ def rule_override(rule: AcceptRule, token_prob: torch.Tensor, entropy: torch.Ten
     return torch.zeros_like(token_prob, dtype=torch.bool)
 
 
-def fly_accepts(rule: AcceptRule, exact: torch.Tensor, top3_entropy: torch.Tensor) -> torch.Tensor:
+def fly_accepts(rule: AcceptRule, exact: torch.Tensor, top3_entropy: torch.Tensor,
+                num_drafts: torch.Tensor) -> torch.Tensor:
     """FLy: a mismatch at draft position i (0-based here) is accepted when its top-3 entropy is at least the
-    gate and the window's next ``window - 1`` drafts, all inside the block, equal the target's argmax.
-    exact, top3_entropy [B, K] -> bool [B, K]."""
+    gate and the window's next ``window - 1`` drafts, all inside the row's drafts, equal the target's
+    argmax. exact, top3_entropy [B, K], num_drafts [B] -> bool [B, K]."""
     B, K = exact.shape
     window = int(rule.b)
     ok = top3_entropy >= rule.a
     for i in range(K):
-        if i + window > K:  # the window runs past the block: rejected in this block
-            ok[:, i] = False
-        else:
-            ok[:, i] &= exact[:, i + 1 : i + window].all(-1)
+        inside = i + window <= num_drafts  # else the window runs past the row's drafts: rejected this block
+        ok[:, i] &= inside & exact[:, i + 1 : i + window].all(-1)
     return ok
 
 
@@ -94,8 +93,13 @@ def verify_block_ref(
     uniforms: torch.Tensor | None = None,  # [B, K] U(0,1), needed when temperature > 0
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1), needed when temperature > 0
     rule: AcceptRule = AcceptRule(),
+    num_drafts: torch.Tensor | None = None,  # [B] int64: row b's own draft length (<= K); None: K
 ) -> VerifyResult:
-    """Reference verification of one block; arguments are already validated by ``verify_block``."""
+    """Reference verification of one block; arguments are already validated by ``verify_block``.
+
+    A row with ``num_drafts[b] < K`` stopped drafting early: its later positions are never accepted, the
+    draft distribution there counts as zero (so the token after its last draft is the bonus token), and
+    fly's window must end inside its own drafts."""
     B, K1, V = target_logits.shape
     K = K1 - 1
     logits = target_logits.float()
@@ -108,6 +112,9 @@ def verify_block_ref(
     # An id outside [0, V) has p NaN, which no rule accepts (verify_block raises for it on CPU tensors;
     # on GPU tensors the kernels only avoid reading out of bounds, since a check would sync the host).
     valid = (draft_tokens >= 0) & (draft_tokens < V)
+    if num_drafts is None:
+        num_drafts = torch.full((B,), K, dtype=torch.int64, device=logits.device)
+    own = torch.arange(K, device=logits.device)[None] < num_drafts[:, None]  # [B, K] the row's own drafts
     safe = draft_tokens.clamp(0, V - 1)[..., None]
     token_prob = probs[:, :K].gather(-1, safe).squeeze(-1).masked_fill(~valid, float("nan"))  # [B, K]
 
@@ -127,8 +134,8 @@ def verify_block_ref(
 
     override = override | rule_override(rule, token_prob, entropy[:, :K])
     if rule.name == "fly":
-        override = override | (fly_accepts(rule, exact_ok, top3_entropy[:, :K]) & valid)
-    accepted = torch.cumprod((exact_ok | override).to(torch.int64), -1).bool()  # [B, K]
+        override = override | (fly_accepts(rule, exact_ok, top3_entropy[:, :K], num_drafts) & valid)
+    accepted = torch.cumprod(((exact_ok | override) & own).to(torch.int64), -1).bool()  # [B, K]
     num_accepted = accepted.sum(-1)  # [B]
     pivot_accepted = accepted & ~exact_ok
 
@@ -137,7 +144,8 @@ def verify_block_ref(
         p_next = probs[rows, num_accepted]  # [B, V]
         # Past the last draft position q is zero, so the residual is p itself: the bonus token.
         q_all = torch.cat([draft_probs.float(), draft_probs.new_zeros(B, 1, V).float()], 1)
-        r = residual_probs(p_next, q_all[rows, num_accepted])
+        q_next = torch.where((num_accepted < num_drafts)[:, None], q_all[rows, num_accepted], 0.0)
+        r = residual_probs(p_next, q_next)
         next_token = (r / exponentials.float().clamp_min(MIN_EXPONENTIAL)).argmax(-1)
     else:
         next_token = argmax.gather(1, num_accepted[:, None]).squeeze(1)

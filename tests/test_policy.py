@@ -87,3 +87,34 @@ def test_sampling_rules_run_batched(pair):
         assert out.sequences.shape[0] == 3 and int(out.lengths.min()) > 0
         again = pad.generate(target, draft, ids, policy=spec, temperature=0.9, seed=0, max_new_tokens=12)
         assert torch.equal(out.sequences, again.sequences)  # reproducible with a seed
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_exact_with_draft_stop_is_the_target_greedy_output(pair, batch, monkeypatch):
+    import importlib
+
+    from pad.decoder import left_padded
+    from tiny import greedy_from_scratch
+
+    target, draft = pair
+    gen_module = importlib.import_module("pad.generate")  # the module, not the function pad.generate
+    lengths, real = [], gen_module.verify_block
+
+    def spy(*args, **kwargs):
+        if kwargs.get("num_drafts") is not None:
+            lengths.extend(kwargs["num_drafts"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen_module, "verify_block", spy)
+    g = torch.Generator().manual_seed(batch)
+    rows = [torch.randint(0, 96, (3 + i,), generator=g).tolist() for i in range(batch)]
+    ids, mask = left_padded(rows)
+    out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact", num_draft_tokens=6,
+                       max_new_tokens=30, draft_stop=0.0145)  # the tiny draft's top probabilities: ~0.013-0.016
+    for i, row in enumerate(rows):
+        want = greedy_from_scratch(target, row, 30)
+        assert out.sequences[i, ids.shape[1] : ids.shape[1] + int(out.lengths[i])].tolist() == want
+    assert min(lengths) < max(lengths) and max(lengths) <= 6  # the drafts per block vary
+    assert out.stats.drafted < 6 * out.stats.target_forwards
+    with pytest.raises(ValueError, match="draft_stop"):
+        pad.generate(target, draft, ids[:1], draft_stop=1.5)

@@ -270,3 +270,19 @@ def test_each_rule_has_a_setting_that_equals_exact(backend, rule):
         got = verify_block(logits, drafts, rule=rule, backend=backend)
         for name in ("accepted", "pivot_accepted", "num_accepted", "next_token"):
             assert torch.equal(getattr(got, name), getattr(exact, name)), (rule, name)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("rule,sampling", [(AcceptRule(), False), (AcceptRule(), True), (AcceptRule.fly(0.05, 2), False),
+                                           (AcceptRule.typical(0.3, 0.05), True)], ids=lambda v: str(v))
+def test_rows_with_their_own_draft_lengths_match_reference(backend, rule, sampling):
+    """num_drafts (draft_stop): every length from 0 to K, the classifier on, outputs poisoned."""
+    B, K, V, H = 6, 5, 1271, 64
+    args, kwargs = make_case(B, K, V, H, torch.float32, sampling, seed=31 + sampling)
+    if sampling:
+        kwargs["uniforms"][:, :3] = 0.0  # long accepted prefixes, so that the lengths cut them
+    num_drafts = torch.tensor([0, 1, 2, 3, 4, 5])
+    expected = verify_block_ref(*args, **kwargs, rule=rule, num_drafts=num_drafts)
+    assert (expected.num_accepted <= num_drafts).all() and (expected.num_accepted == num_drafts).any()
+    got = run_backend(backend, *args, **kwargs, rule=rule, num_drafts=num_drafts)
+    assert_matches(got, expected, fp64_truth(*args, **kwargs), torch.float32)

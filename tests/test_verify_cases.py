@@ -198,3 +198,17 @@ def test_rule_settings_are_checked():
             verify_block(logits, drafts, rule=rule)
     with pytest.raises(ValueError, match="greedy decoding only"):
         verify_block(logits, drafts, rule=AcceptRule.fly(), temperature=0.7, draft_probs=torch.rand(1, 2, 8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_that_stopped_drafting_gets_its_bonus_token(backend):
+    logits = _logits([{3: 2.0}, {4: 2.0}, {5: 2.0}, {6: 2.0}])
+    drafts = torch.tensor([[3, 4, 5]] * 3)  # all three match the target
+    res = verify_block(logits.expand(3, -1, -1).contiguous(), drafts, num_drafts=torch.tensor([3, 1, 0]),
+                       backend=backend)
+    assert res.num_accepted.tolist() == [3, 1, 0] and res.next_token.tolist() == [6, 4, 3]
+    assert res.accepted.tolist() == [[True] * 3, [True, False, False], [False] * 3]
+    with pytest.raises(ValueError, match="num_drafts must lie in"):
+        verify_block(logits, drafts[:1], num_drafts=torch.tensor([4]), backend=backend)
+    with pytest.raises(ValueError, match="num_drafts must be int64"):
+        verify_block(logits, drafts[:1], num_drafts=torch.tensor([1, 2]), backend=backend)

@@ -75,7 +75,7 @@ template <typename T, typename H>
 void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, const float* w1, const float* b1,
                    const float* w2, float b2, int64_t Hdim, int64_t D, float sigma, float floor_, float temperature,
                    const float* draft_probs, const float* uniforms, const float* exponentials, pad::Rule rule,
-                   int64_t B, int64_t K, int64_t V, float* entropy, float* token_prob, int64_t* argmax,
+                   const int64_t* num_drafts, int64_t B, int64_t K, int64_t V, float* entropy, float* token_prob, int64_t* argmax,
                    float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted,
                    int64_t* next_token, float* top3_entropy) {
   const int64_t K1 = K + 1;
@@ -112,9 +112,10 @@ void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, cons
   const bool sampling = temperature > 0.0f;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
+      const int64_t k_row = pad::row_drafts(num_drafts, b, K);
       const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
-                                        sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, accepted,
-                                        pivot_accepted);
+                                        sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, k_row,
+                                        accepted, pivot_accepted);
       num_accepted[b] = n;
       if (!sampling) {
         next_token[b] = argmax[b * K1 + n];
@@ -122,7 +123,7 @@ void verify_kernel(const T* logits, const int64_t* drafts, const H* hidden, cons
       }
       const pad::RowStats& s = stats[b * K1 + n];
       const T* x = logits + (b * K1 + n) * V;
-      const float* q = n < K ? draft_probs + (b * K + n) * V : nullptr;  // past the drafts q is 0: bonus
+      const float* q = n < k_row ? draft_probs + (b * K + n) * V : nullptr;  // past the drafts q is 0: bonus
       const float* e = exponentials + b * V;
       pad::Race race = pad::race_empty();
       for (int64_t v = 0; v < V; ++v)
@@ -140,7 +141,7 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
                           const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                           const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                           const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
-                          at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
+                          const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
                           at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
                           at::Tensor& next_token, at::Tensor& top3_entropy) {
   check(logits.device().is_cpu() && logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [B, K+1, V] on the CPU");
@@ -165,6 +166,9 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
     for (const at::Tensor* t : {&*draft_probs, &*uniforms, &*exponentials})
       check(t->scalar_type() == at::kFloat && t->is_contiguous(), "random draws and draft_probs must be contiguous fp32");
   }
+  if (num_drafts.has_value())
+    check(num_drafts->scalar_type() == at::kLong && num_drafts->is_contiguous() && num_drafts->numel() == B,
+          "num_drafts must be contiguous int64 [B]");
   auto ptr = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; };
   const float b2v = has_clf ? b2->item<float>() : 0.0f;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "pad_verify_logits", [&] {
@@ -172,7 +176,8 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
     const auto run = [&](auto* hidden_ptr) {
       verify_kernel(logits.data_ptr<logit_t>(), draft_tokens.data_ptr<int64_t>(), hidden_ptr, ptr(w1), ptr(b1),
                     ptr(w2), b2v, Hdim, D, (float)sigma, (float)floor_, (float)temperature, ptr(draft_probs),
-                    ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b}, B, K, V,
+                    ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
+                    num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr, B, K, V,
                     entropy.data_ptr<float>(), token_prob.data_ptr<float>(), argmax.data_ptr<int64_t>(),
                     pivot_prob.data_ptr<float>(), accepted.data_ptr<bool>(), pivot_accepted.data_ptr<bool>(),
                     num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), top3_entropy.data_ptr<float>());

@@ -66,10 +66,11 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
                               const float* token_prob, const float* row_max, const float* row_sum,
                               float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted,
                               int64_t* next_token, int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma,
-                              float floor_, float temperature, pad::Rule rule) {
+                              float floor_, float temperature, pad::Rule rule, const int64_t* num_drafts) {
   __shared__ float red[kThreads];
   __shared__ pad::Race races[kThreads];
   __shared__ int64_t n_shared;
+  const int64_t k_row = pad::row_drafts(num_drafts, blockIdx.x, K);
   const int64_t b = blockIdx.x, K1 = K + 1;
   const bool has_clf = w1 != nullptr, sampling = temperature > 0.0f;
 
@@ -99,8 +100,8 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
   // 2. The accepted prefix (one thread: K is small).
   if (threadIdx.x == 0) {
     const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
-                                      sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, accepted,
-                                      pivot_accepted);
+                                      sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, k_row,
+                                      accepted, pivot_accepted);
     num_accepted[b] = n;
     n_shared = n;
     if (!sampling) next_token[b] = argmax[b * K1 + n];
@@ -112,7 +113,7 @@ __global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __res
   const int64_t n = n_shared, pos = b * K1 + n;
   const pad::RowStats s{row_max[pos], row_sum[pos], 0.0f, 0, -INFINITY, -INFINITY};
   const T* x = logits + pos * V;
-  const float* q = n < K ? draft_probs + (b * K + n) * V : nullptr;
+  const float* q = n < k_row ? draft_probs + (b * K + n) * V : nullptr;  // past the row's drafts q is 0
   const float* e = exponentials + b * V;
   pad::Race race = pad::race_empty();
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x)
@@ -137,7 +138,7 @@ cudaError_t launch(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
       logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms,
       a.exponentials, a.entropy, a.top3_entropy, a.argmax, a.token_prob, a.row_max, a.row_sum, a.pivot_prob,
       a.accepted, a.pivot_accepted, a.num_accepted, a.next_token, a.K, a.V, a.H, a.D, a.sigma, a.floor_,
-      a.temperature, a.rule);
+      a.temperature, a.rule, a.num_drafts);
   return cudaGetLastError();
 }
 

@@ -25,7 +25,7 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
                            const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                            const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                            const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a,
-                           double rule_b, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax,
+                           double rule_b, const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax,
                            at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
                            at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy,
                            at::Tensor& scratch) {
@@ -72,6 +72,10 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
   a.num_accepted = num_accepted.data_ptr<int64_t>();
   a.next_token = next_token.data_ptr<int64_t>();
   a.top3_entropy = top3_entropy.data_ptr<float>();
+  TORCH_CHECK(!num_drafts.has_value() || (num_drafts->is_cuda() && num_drafts->scalar_type() == at::kLong &&
+                                          num_drafts->is_contiguous() && num_drafts->numel() == B),
+              "pad_kernels cuda verify_block: num_drafts must be contiguous int64 [B] on CUDA");
+  a.num_drafts = num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr;
   a.rule = pad::Rule{static_cast<int>(rule), static_cast<float>(rule_a), static_cast<float>(rule_b)};
   a.row_max = scratch.data_ptr<float>();
   a.row_sum = a.row_max + B * (K + 1);

@@ -24,6 +24,7 @@ struct VerifyArgs {
   bool *accepted, *pivot_accepted;                     // [B, K]
   int64_t *num_accepted, *next_token;                  // [B]
   float* top3_entropy;                                 // [B, K+1]
+  const int64_t* num_drafts;                           // [B] or nullptr (every row drafted K)
   float *row_max, *row_sum;                            // [B, K+1] scratch
   int64_t B, K, V, H, D;
   float sigma, floor_, temperature;

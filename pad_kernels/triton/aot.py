@@ -42,7 +42,8 @@ def jobs():
                        temperature="fp32")
             yield (f"_position_stats_kernel[{dname}, SCALED={scaled}]", _position_stats_kernel, sig,
                    dict(SCALED=scaled, BLOCK_V=cfg["BLOCK_V"]))
-        for has_clf, sampling, rule in itertools.product((False, True), (False, True), range(len(RULES))):
+        for has_clf, sampling, rule, has_nd in itertools.product((False, True), (False, True), range(len(RULES)),
+                                                                 (False, True)):
             if sampling and RULES[rule] not in SAMPLING_RULES:
                 continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
@@ -51,9 +52,10 @@ def jobs():
                        token_prob_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", pivot_prob_ptr="*fp32",
                        accepted_ptr="*i1", pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64",
                        K="i32", V="i32", H="i32", D="i32", sigma="fp32", floor="fp32", temperature="fp32",
-                       rule_a="fp32", rule_b="fp32", window="i32")
-            yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, RULE={RULES[rule]}]",
-                   _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, **cfg))
+                       rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64")
+            yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
+                   f"RULE={RULES[rule]}]",
+                   _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd, **cfg))
 
 
 def main(argv=None) -> int:

@@ -132,8 +132,10 @@ def _accept_kernel(
     next_token_ptr,  # [B] int64 out
     K, V, H, D, sigma, floor, temperature, rule_a, rule_b,
     window,  # fly: int(rule_b)
+    num_drafts_ptr,  # [B] int64: each row's own draft length (HAS_ND)
     HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
     RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly
+    HAS_ND: tl.constexpr,  # rows have their own draft lengths
     KP: tl.constexpr,  # power of 2 >= max(K, 16): tl.dot needs 16 rows
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -141,6 +143,9 @@ def _accept_kernel(
     K1 = K + 1
     ks = tl.arange(0, KP)
     kmask = ks < K
+    k_row = K
+    if HAS_ND:  # a row that stopped drafting early: clamped to [0, K] like the other backends
+        k_row = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
     drafts = tl.load(drafts_ptr + b * K + ks, mask=kmask, other=0)
     tp = tl.load(token_prob_ptr + b * K + ks, mask=kmask, other=0.0)
     am = tl.load(argmax_ptr + b * K1 + ks, mask=kmask, other=-1)
@@ -188,10 +193,10 @@ def _accept_kernel(
         # The first mismatch after each position (K when none): [KP, KP] over (position, later position).
         later = (ks[None, :] > ks[:, None]) & (ks[None, :] < K) & ~exact[None, :]
         next_miss = tl.min(tl.where(later, ks[None, :], K), axis=1)
-        fits = (ks + window <= K) & (next_miss >= ks + window)
+        fits = (ks + window <= k_row) & (next_miss >= ks + window)
         ok = ok | ((h3 >= rule_a) & fits & (drafts >= 0) & (drafts < V))
     n = tl.min(tl.where(ok | (ks >= K), KP, ks), axis=0)
-    n = tl.minimum(n, K)
+    n = tl.minimum(n, k_row)
     accepted = ks < n
     tl.store(pivot_prob_ptr + b * K + ks, pivot, mask=kmask)
     tl.store(accepted_ptr + b * K + ks, accepted.to(tl.int1), mask=kmask)
@@ -217,7 +222,7 @@ def _accept_kernel(
             vmask = idx < V
             x = tl.load(row + idx, mask=vmask, other=float("-inf")).to(tl.float32) / temperature
             p = tl.where(x == float("-inf"), 0.0, tl.exp(x - m) / s)
-            q = tl.load(qrow + idx, mask=vmask & (n < K), other=0.0)  # past the drafts q is 0: bonus
+            q = tl.load(qrow + idx, mask=vmask & (n < k_row), other=0.0)  # past the row's drafts q is 0: bonus
             e = tl.maximum(tl.load(erow + idx, mask=vmask, other=1.0), MIN_EXPONENTIAL)
             r = tl.maximum(p - q, 0.0)
             rsum += tl.sum(tl.where(vmask, r, 0.0), axis=0)
@@ -259,6 +264,7 @@ def verify_block_triton(
     uniforms: torch.Tensor | None = None,  # [B, K]
     exponentials: torch.Tensor | None = None,  # [B, V]
     rule: AcceptRule = AcceptRule(),
+    num_drafts: torch.Tensor | None = None,  # [B] int64
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
@@ -295,6 +301,7 @@ def verify_block_triton(
         out.entropy, out.top3_entropy, out.argmax, out.token_prob, stats_max, stats_sum,
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token,
         K, V, H, D, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a), float(rule.b),
-        int(rule.b) if rule.name == "fly" else 0, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D),
+        int(rule.b) if rule.name == "fly" else 0, num_drafts.contiguous() if num_drafts is not None else dummy,
+        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D),
     )
     return out

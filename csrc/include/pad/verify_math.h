@@ -196,10 +196,18 @@ PAD_HD bool pivot_override(bool has_classifier, float sigma, float floor_, float
   return has_classifier && sigma > 0.0f && pivot_prob_ <= sigma && p_draft >= floor_;
 }
 
-// FLy's window: draft i (0-based) is followed, inside the block, by window - 1 drafts equal to the argmax.
-PAD_HD bool fly_window_matches(int64_t b, int64_t i, int64_t K, int64_t window, const int64_t* drafts,
-                               const int64_t* argmax) {
-  if (i + window > K) return false;  // the window runs past the block: rejected in this block
+// A row's own draft length: num_drafts[b] clamped to [0, K] (nullptr: K), a row that stopped drafting early.
+PAD_HD int64_t row_drafts(const int64_t* num_drafts, int64_t b, int64_t K) {
+  if (num_drafts == nullptr) return K;
+  const int64_t n = num_drafts[b];
+  return n < 0 ? 0 : (n > K ? K : n);
+}
+
+// FLy's window: draft i (0-based) is followed, inside the row's k_row drafts, by window - 1 drafts equal to
+// the argmax (K is the block's stride).
+PAD_HD bool fly_window_matches(int64_t b, int64_t i, int64_t K, int64_t k_row, int64_t window,
+                               const int64_t* drafts, const int64_t* argmax) {
+  if (i + window > k_row) return false;  // the window runs past the row's drafts: rejected in this block
   for (int64_t k = i + 1; k < i + window; ++k)
     if (drafts[b * K + k] != argmax[b * (K + 1) + k]) return false;
   return true;
@@ -211,8 +219,8 @@ PAD_HD bool fly_window_matches(int64_t b, int64_t i, int64_t K, int64_t window, 
 PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts, const int64_t* argmax,
                           const float* token_prob, const float* pivot_prob, const float* draft_probs,
                           const float* uniforms, bool sampling, bool has_classifier, float sigma, float floor_,
-                          const Rule& rule, const float* entropy, const float* top3_entropy, bool* accepted,
-                          bool* pivot_accepted) {
+                          const Rule& rule, const float* entropy, const float* top3_entropy, int64_t k_row,
+                          bool* accepted, bool* pivot_accepted) {
   int64_t n = 0;
   bool open = true;
   for (int64_t i = 0; i < K; ++i) {
@@ -222,8 +230,8 @@ PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts
     const bool relaxed = pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]) ||
                          rule_override(rule, token_prob[j], entropy[at]) ||
                          (rule.kind == kRuleFly && in_vocab(d, V) && top3_entropy[at] >= rule.a &&
-                          fly_window_matches(b, i, K, (int64_t)rule.b, drafts, argmax));
-    open = open && (exact || relaxed);
+                          fly_window_matches(b, i, K, k_row, (int64_t)rule.b, drafts, argmax));
+    open = open && i < k_row && (exact || relaxed);
     accepted[j] = open;
     pivot_accepted[j] = open && !exact;
     n += open;
