@@ -181,9 +181,10 @@ def test_registered_op_passes_opcheck(backend, temperature):
     args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3)
     logits, drafts, hidden, clf = args
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
-    for rule in (AcceptRule(), AcceptRule.typical(), AcceptRule.threshold(0.2)):
+    for rule, num_drafts in ((AcceptRule(), None), (AcceptRule.typical(), torch.tensor([3, 1])),
+                             (AcceptRule.threshold(0.2), None)):
         torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws,
-                                                rule.code, rule.a, rule.b, backend))
+                                                rule.code, rule.a, rule.b, num_drafts, backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED])
