@@ -370,9 +370,7 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                     lengths = torch.where((lengths == k) & (top < draft_stop), step + 1, lengths)
                     if bool((lengths <= step + 1).all()):
                         break
-            if lengths is not None and len(drafts) < k:  # everyone stopped: the block is that long
-                k = len(drafts)
-                lengths = lengths.clamp_max(k)
+            k = len(drafts)  # fewer than asked when every row stopped (each length is then <= that)
             draft_tokens = torch.cat(drafts, 1).to(tgt.device)  # [b, k]
 
             # 2. Verify: one target forward over [unseen committed..., d_1..d_k] of every row, then the fused op.
