@@ -277,9 +277,12 @@ def _tokenizer_at(path: str, name: str):
 
 
 def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
-    """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory."""
+    """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory, on the
+    grouped-query SDPA attention of ``pad.attention`` when it runs on ``sdpa``."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from .attention import use_gqa_sdpa
 
     path = resolve(name, cache=cache)
     tokenizer = _tokenizer_at(path, name)
@@ -291,4 +294,5 @@ def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
     # Memory-mapped weights get paged out on small machines and forwards slow down: copy them in.
     for p in model.parameters():
         p.data = p.data.clone()
+    use_gqa_sdpa(model)  # batched forwards over several tokens without copying the cache per head
     return model.eval(), tokenizer
