@@ -75,18 +75,27 @@ class Finished:
 
 
 class Continuations:
-    def __init__(self, model, vocab: int, eos: set[int], layer: int, batch: int, lookahead: int = 4):
+    def __init__(self, model, vocab: int, eos: set[int], layer: int, batch: int, lookahead: int = 4,
+                 min_join: int | None = None):
+        """``min_join``: queued jobs join only when at least this many rows are free (or none runs), so that
+        joins, each a forward of its own plus a copy of the running cache, come in groups; default batch // 8."""
         if batch < 1:
             raise ValueError(f"the continuation batch must be at least 1, got {batch}")
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.min_join = max(1, batch // 8) if min_join is None else min_join
+        if not 1 <= self.min_join <= batch:
+            raise ValueError(f"min_join must be between 1 and the batch ({batch}), got {min_join}")
         self.model, self.vocab, self.eos, self.batch, self.lookahead = model, vocab, eos, batch, lookahead
         self.forwards = self.tokens = 0  # target forwards of running rows and the tokens they committed
+        self.joins = 0  # forwards that fed joining jobs
         self.device = next(model.parameters()).device
         self.capture = LayerCapture(model, layer)
         self.capture.keep = 2
         self.main = Decoder(model, vocab, 0)
-        self.rows: list[Job] = []  # the job of each row of the running batch
+        # The job of each row of the running batch; None for a finished row, which stays in the batch (fed
+        # holes) until the next join removes it, so that the cache is copied once per join, not per finish.
+        self.rows: list[Job | None] = []
         self.queue: list[Job] = []
 
     def close(self) -> None:
@@ -96,20 +105,29 @@ class Continuations:
         self.queue.append(job)
 
     @property
+    def running(self) -> int:
+        """Rows still decoding."""
+        return sum(j is not None for j in self.rows)
+
+    @property
     def busy(self) -> bool:
-        return bool(self.rows or self.queue)
+        return bool(self.running or self.queue)
 
     @torch.inference_mode()
     def step(self) -> list[Finished]:
         """Let queued jobs join (as far as the batch has room), then one greedy step of the running rows."""
-        done = []
-        room = self.batch - len(self.rows)
-        if room > 0 and self.queue:
+        room = self.batch - self.running
+        if self.queue and (room >= self.min_join or not self.running):
+            live = [r for r, j in enumerate(self.rows) if j is not None]
+            if len(live) < len(self.rows):  # finished rows leave now, in one copy of the cache
+                if live:
+                    self.main.select(live)
+                else:
+                    self.main = Decoder(self.model, self.vocab, 0)
+                self.rows = [self.rows[r] for r in live]
             joining, self.queue = self.queue[:room], self.queue[room:]
-            done += self._join(joining)
-        elif self.rows:
-            done += self._step()
-        return done
+            return self._join(joining)
+        return self._step() if self.running else []
 
     def _commit(self, job: Job, token: int) -> bool:
         """Append the row's next token; True when the job is finished."""
@@ -119,6 +137,7 @@ class Continuations:
         return token in self.eos or len(job.generated) >= job.budget
 
     def _join(self, jobs: list[Job]) -> list[Finished]:
+        self.joins += 1
         temp = Decoder(self.model, self.vocab, len(jobs))
         widths = [0 if j.prefix is None else j.prefix[0][0].shape[1] for j in jobs]
         if max(widths) > 0:
@@ -173,26 +192,30 @@ class Continuations:
         return done
 
     def _step(self) -> list[Finished]:
-        # Never guess past a row's budget: its last token comes from the target anyway.
-        guesses = [j.guess(min(self.lookahead, j.budget - len(j.generated) - 1)) for j in self.rows]
-        ids, fed = left_pad([[j.generated[-1], *g] for j, (g, _) in zip(self.rows, guesses)], self.device)
+        # Never guess past a row's budget: its last token comes from the target anyway. Finished rows get a hole.
+        guesses = [([], 0) if j is None else j.guess(min(self.lookahead, j.budget - len(j.generated) - 1))
+                   for j in self.rows]
+        ids, fed = left_pad([[] if j is None else [j.generated[-1], *g] for j, (g, _) in zip(self.rows, guesses)],
+                            self.device)
         W = ids.shape[1]
         logits = self.main.forward(ids, fed, keep=W)  # [B, W, V]
         host = torch.cat([logits.argmax(-1), (~torch.isfinite(logits).all(-1)).long()], 1).tolist()
         self.forwards += 1
-        done, staying = [], []
+        finished = []
         holes = torch.zeros((len(self.rows), W), dtype=torch.bool)
         for r, (job, (guess, start)) in enumerate(zip(self.rows, guesses)):
+            if job is None:
+                continue
             top, bad = host[r][W - len(guess) - 1 : W], host[r][W + W - len(guess) - 1 :]
             if any(bad):
                 raise FloatingPointError("the model produced non-finite logits while continuing a text")
             # Tokens to commit: the guesses the target agrees with, then its own next token.
             n = next((i for i, g in enumerate(guess) if g != top[i]), len(guess))
-            committed, finished = 0, False
+            committed, done = 0, False
             for token in guess[:n] + [top[n]]:
                 committed += 1
                 if self._commit(job, token):
-                    finished = True
+                    done = True
                     break
             self.tokens += committed
             job.cursor = start + committed
@@ -200,13 +223,10 @@ class Continuations:
             keep = min(n, committed)
             if keep < len(guess):
                 holes[r, W - len(guess) + keep :] = True
-            (done if finished else staying).append(r)
+            if done:
+                finished.append(r)
         self.main.drop(holes)
-        finished = [Finished(self.rows[r], self.main.row_cache(r), self.rows[r].features) for r in done]
-        if done:
-            if staying:
-                self.main.select(staying)
-            else:
-                self.main = Decoder(self.model, self.vocab, 0)
-            self.rows = [self.rows[r] for r in staying]
-        return finished
+        out = [Finished(self.rows[r], self.main.row_cache(r), self.rows[r].features) for r in finished]
+        for r in finished:
+            self.rows[r] = None
+        return out

@@ -256,7 +256,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                 decisions += t is not None and t != "resume"
                 advance(p)
                 bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
-                                rows=len(engine.rows), tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
+                                rows=engine.running, tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
             admit()
     finally:
         engine.close()

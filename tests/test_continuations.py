@@ -15,8 +15,8 @@ def model():
     return tiny_model("qwen2", seed=3)
 
 
-def _run(model, jobs, lookahead, batch=4):
-    engine = Continuations(model, 96, eos_ids(model, None), -1, batch, lookahead)
+def _run(model, jobs, lookahead, batch=4, min_join=None):
+    engine = Continuations(model, 96, eos_ids(model, None), -1, batch, lookahead, min_join)
     for job in jobs:
         engine.submit(job)
     out = {}
@@ -40,7 +40,8 @@ def test_guesses_never_change_the_tokens(model, seed):
                want[5][1:] + [3, 4], prompts[6]]
     jobs = [Job(key=i, prefix=None, first=p, budget=b, lookup=lk)
             for i, (p, b, lk) in enumerate(zip(prompts, budgets, lookups))]
-    got, engine = _run(model, jobs, lookahead=rng.choice([1, 3, 6]))
+    # Joins one by one, or only when 3 rows are free (finished rows then wait in the batch as holes).
+    got, engine = _run(model, jobs, lookahead=rng.choice([1, 3, 6]), min_join=[1, 3, 3][seed])
     for i, (p, w) in enumerate(zip(prompts, want)):
         generated, (keys, _) = got[i]
         assert generated == w, i
@@ -66,6 +67,21 @@ def test_right_guesses_save_forwards_and_keep_the_cache_right(model):
     assert follow[1][0] == greedy_from_scratch(model, prompt + want, 6, eos)
 
 
+@torch.inference_mode()
+def test_joins_wait_for_free_rows(model):
+    eos = eos_ids(model, None)
+    prompts = [[i + 1, 2 * i + 3] for i in range(6)]
+    budgets = [3, 20, 4, 20, 5, 20]  # three short rows finish first, one after another
+    jobs = [Job(key=i, prefix=None, first=p, budget=b) for i, (p, b) in enumerate(zip(prompts, budgets))]
+    got, engine = _run(model, jobs, lookahead=0, batch=4, min_join=3)
+    assert {i: got[i][0] for i in got} == {i: greedy_from_scratch(model, p, b, eos)
+                                           for i, (p, b) in enumerate(zip(prompts, budgets))}
+    # Rows 0-3 join at once; jobs 4 and 5 join together once three rows are free, not one by one.
+    assert engine.joins == 2
+
+
 def test_bad_lookahead_is_refused(model):
     with pytest.raises(ValueError, match="lookahead"):
         Continuations(model, 96, set(), -1, 4, lookahead=-1)
+    with pytest.raises(ValueError, match="min_join"):
+        Continuations(model, 96, set(), -1, 4, min_join=5)
