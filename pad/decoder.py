@@ -6,9 +6,9 @@ columns a row must not see (left padding, rejected draft tokens) with a 2D atten
 position ids, compacting now and then; (b) unpad and re-left-pad every row after every block, a copy of
 the whole cache per block. We use (a): a block then costs no copy at all; rejected columns that every row
 shares at the end are cropped at once (so at B = 1 no hole ever exists and a forward takes no mask, as
-before), and the rest are gathered out by ``compact`` only when holes fill half of the cache, so attention
-runs over at most about twice the live columns, a small part of a forward that is dominated by reading
-the weights, where (b) would copy the whole cache every block. Measured on the default target (bf16, two
+before), and the rest are gathered out by ``compact`` only when that would halve the cache's width, so
+attention runs over at most about twice the columns of the longest row, a small part of a forward that
+is dominated by reading the weights, where (b) would copy the whole cache every block. Measured on the default target (bf16, two
 cores of an AVX-512-BF16 AMD EPYC, ``python bench/forward_cost.py --batch 1,2,4,8,16``): with B = 8 rows
 of 512 cached columns, one copy of the cache took 84 ms against 976 ms for the block's forward (9% per
 block), while the same forward with every other cached column masked out took 908 ms (no slower).
@@ -23,7 +23,7 @@ import torch
 
 from .hf import crop_cache, forward_tail
 
-# Compact when holes exceed this share of the cache's cells (and the cache is wider than 16 columns).
+# Compact when that narrows the cache by more than this share of its columns (and it is wider than 16).
 COMPACT_AT = 0.5
 
 
@@ -91,8 +91,12 @@ class Decoder:
         if end < self.valid_host.shape[1]:  # columns no row attends to at the end: crop them
             crop_cache(self.cache, end)
             self.valid_host, self.valid = self.valid_host[:, :end], self.valid[:, :end]
-        holes = int((~self.valid_host).sum())
-        if holes and self.valid_host.shape[1] > 16 and holes > COMPACT_AT * self.valid_host.numel():
+        # Compaction narrows the cache to its longest row: worth a copy only when that cuts enough columns.
+        # (Counting every hole would also count the left padding of shorter rows, which no compaction
+        # removes, and compact again after every block.)
+        width = self.valid_host.shape[1]
+        narrower = width - int(self.valid_host.sum(1).max()) if self.valid_host.shape[0] else 0
+        if narrower and width > 16 and narrower > COMPACT_AT * width:
             self.compact()
 
     def select(self, rows: list[int]) -> None:

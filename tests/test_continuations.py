@@ -85,3 +85,30 @@ def test_bad_lookahead_is_refused(model):
         Continuations(model, 96, set(), -1, 4, lookahead=-1)
     with pytest.raises(ValueError, match="min_join"):
         Continuations(model, 96, set(), -1, 4, min_join=5)
+
+
+@torch.inference_mode()
+def test_compaction_only_when_it_narrows_the_cache(model):
+    """Left padding of short rows is no reason to compact (no compaction removes it); holes that widen the
+    longest row past twice its text are."""
+    from pad.decoder import Decoder, left_pad
+
+    dec = Decoder(model, 96, 3)
+    ids, fed = left_pad([[1], [2], list(range(3, 43))], "cpu")  # 78 of 120 cells are padding
+    dec.forward(ids, fed, keep=1)
+    dec.drop(torch.zeros((3, 0), dtype=torch.bool))
+    assert dec.compactions == 0 and dec.valid_host.shape[1] == 40
+    for _ in range(2):  # the long row feeds 12 tokens and keeps 1 of them, twice: 22 holes in its 64 columns
+        ids, fed = left_pad([[5] * 12, [5] * 12, [6] * 12], "cpu")
+        dec.forward(ids, fed, keep=1)
+        holes = torch.zeros((3, 12), dtype=torch.bool)
+        holes[2, 1:] = True
+        dec.drop(holes)
+    assert dec.compactions == 0 and dec.valid_host.shape[1] == 64
+    ids, fed = left_pad([[5] * 24, [5] * 24, [6] * 24], "cpu")  # every row keeps only the last of 24
+    dec.forward(ids, fed, keep=1)
+    holes = torch.zeros((3, 24), dtype=torch.bool)
+    holes[:, :23] = True
+    dec.drop(holes)  # the longest row holds 43 of 88 columns: compacted to 43
+    assert dec.compactions == 1 and dec.valid_host.shape[1] == 43
+    assert dec.valid_host.sum(1).tolist() == [26, 26, 43] and dec.valid_host[2].all()
