@@ -14,8 +14,9 @@ answers wrong are labeled too.
 
 The continuations of many problems run as rows of one batch (``pad.continuations``): a problem's next
 decision joins as soon as its last one finished, from the cache of its current text (never prefilled
-again). The draft's teacher-forced pass over a text is cached per problem too: after a harmless decision
-at position t it is fed the new text from t on. Finished problems are written as the rollout labeler
+again). The draft's teacher-forced pass over a text is cached per problem too and runs only as far as the
+next mismatch (``DRAFT_CHUNK`` positions at a time): after a harmless decision at position t it is fed the
+new text from t on. Finished problems are written as the rollout labeler
 writes them (``pad.label.LabelWriter``). A problem in flight is saved after each of its decisions
 (``partial/``: its current text, next position and records so far), so an interruption loses at most the
 continuations running at that moment; a resumed problem prefills its text once and goes on.
@@ -77,34 +78,52 @@ class _Problem:
     records: list[dict] = field(default_factory=list)
 
 
-def _draft_pass(draft, vocab: int, p: _Problem, start: int) -> None:
-    """Teacher-force the draft on the text from position ``start`` on; its cache keeps what comes before.
+# Text positions the draft scores per pass. Mismatches come about every 16 tokens, and a harmless
+# decision changes the text after it: scoring only up to the next mismatch, not to the end, saves most
+# of the draft's work.
+DRAFT_CHUNK = 32
 
-    Text token t sits at index P + t of prompt + text and is predicted by the logits at P + t - 1.
-    """
+
+def _draft_forget(p: _Problem, start: int) -> None:
+    """The text changed from position ``start`` on: the draft's tokens there are stale (its cache is cropped
+    when next extended)."""
+    del p.draft_top[start:], p.draft_prob[start:], p.draft_entropy[start:]
+
+
+def _draft_extend(draft, vocab: int, p: _Problem, end: int) -> None:
+    """Teacher-force the draft so that its greedy token, probability and entropy are known at text positions
+    up to ``end`` (exclusive). Text token t sits at index P + t of prompt + text and is predicted by the logits
+    at P + t - 1; the draft's cache keeps what it has seen of the current text."""
+    start, end = len(p.draft_top), min(end, len(p.text))
+    if start >= end:
+        return
     P, seq = len(p.prompt), p.prompt + p.text
-    if p.draft_cache is None or start == 0:
-        p.draft_cache, begin = None, 0
-    else:
-        crop_cache(p.draft_cache, P + start - 1)
-        begin = P + start - 1
-    ids = torch.tensor([seq[begin:]], device=next(draft.parameters()).device)
+    need = P + start - 1  # tokens the cache must hold: all before the one predicting position ``start``
+    have = 0 if p.draft_cache is None else p.draft_cache.get_seq_length()
+    if have > need:
+        crop_cache(p.draft_cache, need)
+        have = need
+    ids = torch.tensor([seq[have : P + end - 1]], device=next(draft.parameters()).device)
     out = forward_tail(draft, ids, ids.shape[1], past_key_values=p.draft_cache, use_cache=True)
     p.draft_cache = out.past_key_values
-    first = P + start - 1 - begin  # the row predicting text token ``start``
-    logits = out.logits[0, first : first + len(p.text) - start, :vocab]
+    logits = out.logits[0, need - have :, :vocab]  # [end - start, V]
     top = logits.argmax(-1)
     prob, entropy = softmax_stats(logits, top)
-    del p.draft_top[start:], p.draft_prob[start:], p.draft_entropy[start:]
     p.draft_top += top.tolist()
     p.draft_prob += prob.tolist()
     p.draft_entropy += entropy.tolist()
 
 
-def _next_decision(p: _Problem, max_new_tokens: int) -> Job | None:
+def _next_decision(draft, vocab: int, p: _Problem, max_new_tokens: int) -> Job | None:
     """The job of the problem's next decision, or None when its text holds no more mismatches."""
-    t = next((t for t in range(p.pos, len(p.text)) if p.draft_top[t] != p.text[t]), None)
-    if t is None:
+    t = p.pos
+    while t < len(p.text):
+        if t >= len(p.draft_top):
+            _draft_extend(draft, vocab, p, t + DRAFT_CHUNK)
+        if p.draft_top[t] != p.text[t]:
+            break
+        t += 1
+    else:
         return None
     full = p.prompt + p.text
     n = len(p.prompt) + t - 1  # cached columns kept: everything before the token preceding the decision
@@ -213,7 +232,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                 engine.submit(Job(key=(i, "resume"), prefix=None, first=p.prompt + p.text, budget=0))
 
     def advance(p: _Problem) -> None:
-        job = _next_decision(p, cfg.max_new_tokens)
+        job = _next_decision(draft, vocab, p, cfg.max_new_tokens)
         if job is not None:
             engine.submit(job)
             partial.save(p, time.perf_counter() - p.started)
@@ -240,7 +259,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                     p.cache = done.cache
                     # A resumed text kept the greedy text's answer (it only switched to same-answer texts).
                     p.key, p.correct = p.outcome(p.text)
-                    _draft_pass(draft, vocab, p, 0)
+                    _draft_forget(p, 0)
                 else:
                     new = p.text[:t] + [done.job.draft_token] + done.job.generated
                     key, correct = p.outcome(new)
@@ -251,7 +270,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                                       "correct_before": int(p.correct), "correct_after": int(correct)})
                     if key == p.key:  # harmless: the continuation becomes the text
                         p.text, p.cache, p.correct = new, done.cache, correct
-                        _draft_pass(draft, vocab, p, t)
+                        _draft_forget(p, t)
                     p.pos = t + 1
                 decisions += t is not None and t != "resume"
                 advance(p)

@@ -67,7 +67,10 @@ def _walk(target, draft, prompt: list[int], max_new: int, layer: int):
         pos = t + 1
 
 
-def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path):
+@pytest.mark.parametrize("chunk", [2, search.DRAFT_CHUNK])
+def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path, monkeypatch, chunk):
+    # The draft scores the text a few positions at a time (2: many passes, each from a cropped cache).
+    monkeypatch.setattr(search, "DRAFT_CHUNK", chunk)
     target, draft, problems, prompts = setup
     summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path, CFG, progress=False)
     index, tensors = _read(tmp_path)
