@@ -1,8 +1,9 @@
-"""Every Triton kernel compiles ahead of time for sm_80 and sm_90 (no GPU needed, interpreter off)."""
+"""Every Triton kernel compiles ahead of time for sm_80 and sm_90 (no GPU needed, interpreter off), and
+none spills registers at the block sizes the launcher uses (read from the compiled cubins)."""
 import os
+import re
 import subprocess
 import sys
-
 
 
 def test_triton_kernels_compile_for_sm80_and_sm90():
@@ -10,11 +11,44 @@ def test_triton_kernels_compile_for_sm80_and_sm90():
     proc = subprocess.run([sys.executable, "-m", "pad_kernels.triton.aot", "--arch", "80", "90"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # Per dtype: 2 position-stats kernels and 28 accept kernels (classifier or not, times greedy with 4 rules
+    # Per dtype: 2 split-stats kernels and 28 accept kernels (classifier or not, times greedy with 4 rules
     # and sampling with the 3 rules defined for it, times per-row draft lengths or not), for 3 dtypes and 2
     # architectures.
-    assert "180 kernels compiled" in proc.stdout
+    assert "180 kernels compiled, none spills" in proc.stdout
+    usage = re.findall(r": cubin \d+ bytes, (\d+) registers, local (\d+) bytes", proc.stdout)
+    assert len(usage) == 180 and all(int(local) == 0 and 0 < int(regs) <= 255 for regs, local in usage)
     assert proc.stdout.count("sm_80 ") == proc.stdout.count("sm_90 ") == 90
     for rule in ("exact", "typical", "threshold", "fly"):
         assert proc.stdout.count(f"RULE={rule}]") == 2 * 3 * (8 if rule != "fly" else 4)
     assert proc.stdout.count("HAS_ND=True") == proc.stdout.count("HAS_ND=False") == 2 * 3 * 14
+
+
+def test_split_plan_fills_the_gpu():
+    from pad_kernels.triton.verify_block import PROGRAMS_PER_SM, split_plan
+
+    V = 151936
+    assert split_plan(11, V, None) == (1, V, 1024)  # no GPU (the interpreter): one slice
+    for positions in (5, 11, 88, 352, 2000):
+        S, length, block = split_plan(positions, V, 132)
+        assert (S - 1) * length < V <= S * length and block == 1024
+        assert positions * S >= min(PROGRAMS_PER_SM * 132, positions * (V // 1024))  # the grid fills the GPU
+        assert S == 1 or positions * (S - 1) < PROGRAMS_PER_SM * 132  # and no more slices than that takes
+    assert split_plan(5, 700, None, 64) == (64, 11, 16)  # asked for: slices of 11 logits, the last of 7
+
+
+def test_model_predicts_b1_k10_near_the_floor():
+    """bench/perf_model.py on the compiled kernels: B = 1, K = 10, bf16 on an H100 runs at least 2 waves of
+    the stats kernel and is predicted within 2x of the memory floor plus two launches (the split's point:
+    one program per position was predicted far slower)."""
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "bench" / "perf_model.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"\| `_split_stats_kernel\[bf16, SCALED=False\]` \| \d+ \| 0 B \|", proc.stdout)
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| H100 SXM | bf16 | 1 | 10 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    waves = float(re.search(r"-> \d+ \(([\d.]+)\)", cells[5]).group(1))
+    before, after, floor = float(cells[7]), float(cells[8]), float(cells[9])
+    assert waves >= 2 and after <= 2 * floor and before > 5 * after

@@ -287,3 +287,48 @@ def test_rows_with_their_own_draft_lengths_match_reference(backend, rule, sampli
     assert (expected.num_accepted <= num_drafts).all() and (expected.num_accepted == num_drafts).any()
     got = run_backend(backend, *args, **kwargs, rule=rule, num_drafts=num_drafts)
     assert_matches(got, expected, fp64_truth(*args, **kwargs), torch.float32)
+
+
+# Backends that cut the vocabulary into slices per position (flash-decoding's split) and merge them.
+SPLIT = [b for b in FUSED if b == "triton"]
+
+
+@pytest.mark.parametrize("backend", SPLIT)
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_vocabulary_splits_match_reference(backend, splits, sampling):
+    """Fresh inputs, outputs poisoned, the classifier and a relaxed rule on, for S slices per position."""
+    B, K, V, H = 2, 4, 3000, 64
+    args, kwargs = make_case(B, K, V, H, torch.bfloat16, sampling, seed=zlib.crc32(repr((splits, sampling)).encode()))
+    rule = AcceptRule.typical(0.3, 0.05)
+    expected = verify_block_ref(*args, **kwargs, rule=rule)
+    got = run_backend(backend, *args, **kwargs, rule=rule, splits=splits)
+    assert_matches(got, expected, fp64_truth(*args, **kwargs), torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", SPLIT)
+@pytest.mark.parametrize("splits", [2, 7, 64])
+def test_vocabulary_split_boundaries(backend, splits):
+    """Slices holding only -inf logits, maxima tied across a slice boundary (the lowest index wins) and
+    draft tokens at a slice's first and last index."""
+    from pad_kernels.triton.verify_block import split_plan
+
+    V, K = 700, 4
+    S, L, _ = split_plan(K + 1, V, None, splits)
+    assert S == splits and L * (S - 1) < V <= L * S
+    g = torch.Generator().manual_seed(100 + splits)
+    logits = torch.randn(1, K + 1, V, generator=g)
+    logits[0, 0, :] = float("-inf")
+    logits[0, 0, V - 1] = 2.0  # position 0: every slice but the last holds only -inf
+    logits[0, 1, :L] = float("-inf")  # position 1: the first slice is all -inf, ...
+    logits[0, 1, [L, 2 * L - 1]] = 9.0  # ... and the second slice's first and last logits tie for the max
+    logits[0, 2, [L - 1, L]] = 9.0  # position 2: a tie across the first boundary
+    logits[0, 3, [L - 1, V - 1]] = 9.0  # position 3: a tie between the first and the last slice
+    logits[0, 4, :] = 0.0  # position 4 (the bonus): every logit ties
+    drafts = torch.tensor([[V - 1, L, L - 1, 2 * L - 1]])  # a slice's last, first, last, last index
+    expected = verify_block_ref(logits, drafts)
+    assert expected.argmax.tolist() == [[V - 1, L, L - 1, L - 1, 0]]
+    got = run_backend(backend, logits, drafts)
+    assert_matches(got, expected, fp64_truth(logits, drafts), torch.float32)
+    got = run_backend(backend, logits, drafts, splits=splits)
+    assert_matches(got, expected, fp64_truth(logits, drafts), torch.float32)

@@ -4,14 +4,19 @@ without one. Run with TRITON_INTERPRET unset:
     python -m pad_kernels.triton.aot [--arch 80 90]
 
 Each kernel is compiled for every logits dtype and every constexpr branch it has; prints one line per
-compilation and exits non-zero on the first failure.
+compilation with the resources the compiled kernel uses (registers per thread, local memory, i.e. spills,
+and shared memory per program, read from the cubin by the ``cuobjdump`` Triton ships) and exits non-zero
+on the first failure or spill.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
@@ -29,18 +34,33 @@ def _compile(kernel, signature: dict, constexprs: dict, arch: int):
     return triton.compile(src, target=target, options=options.__dict__)
 
 
+def resources(compiled) -> dict:
+    """Registers per thread, local memory per thread (register spills) and shared memory per program
+    (static plus what Triton asks for at launch) of a compiled kernel, as ``cuobjdump -res-usage`` reads
+    them from its cubin."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", text))
+    return {"registers": int(usage["REG"]), "local": int(usage["LOCAL"]),
+            "shared": int(usage["SHARED"]) + int(compiled.metadata.shared), "warps": compiled.metadata.num_warps}
+
+
 def jobs():
     """(name, kernel, signature, constexprs) for every specialization the launcher can ask for."""
     from ..types import RULES, SAMPLING_RULES
-    from .verify_block import _accept_kernel, _position_stats_kernel, launch_config
+    from .verify_block import _accept_kernel, _split_stats_kernel, launch_config
 
     cfg = launch_config(K=10, V=151936, H=1536, D=128)
     for dname, dptr in DTYPES.items():
         for scaled in (False, True):
-            sig = dict(logits_ptr=dptr, drafts_ptr="*i64", entropy_ptr="*fp32", top3_ptr="*fp32", argmax_ptr="*i64",
-                       token_prob_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", K="i32", V="i32",
+            sig = dict(logits_ptr=dptr, part_ptr="*fp32", part_arg_ptr="*i64", V="i32", split_len="i32", S="i32",
                        temperature="fp32")
-            yield (f"_position_stats_kernel[{dname}, SCALED={scaled}]", _position_stats_kernel, sig,
+            yield (f"_split_stats_kernel[{dname}, SCALED={scaled}]", _split_stats_kernel, sig,
                    dict(SCALED=scaled, BLOCK_V=cfg["BLOCK_V"]))
         for has_clf, sampling, rule, has_nd in itertools.product((False, True), (False, True), range(len(RULES)),
                                                                  (False, True)):
@@ -48,10 +68,10 @@ def jobs():
                 continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
                        w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
-                       exponentials_ptr="*fp32", entropy_ptr="*fp32", top3_ptr="*fp32", argmax_ptr="*i64",
-                       token_prob_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", pivot_prob_ptr="*fp32",
+                       exponentials_ptr="*fp32", part_ptr="*fp32", part_arg_ptr="*i64", entropy_ptr="*fp32",
+                       top3_ptr="*fp32", argmax_ptr="*i64", token_prob_ptr="*fp32", pivot_prob_ptr="*fp32",
                        accepted_ptr="*i1", pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64",
-                       K="i32", V="i32", H="i32", D="i32", sigma="fp32", floor="fp32", temperature="fp32",
+                       K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32", temperature="fp32",
                        rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64")
             yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
                    f"RULE={RULES[rule]}]",
@@ -70,12 +90,17 @@ def main(argv=None) -> int:
         for name, kernel, sig, constexprs in jobs():
             compiled = _compile(kernel, sig, constexprs, arch)
             size = len(compiled.asm.get("cubin", b""))
-            print(f"sm_{arch} {name}: cubin {size} bytes")
             if size == 0:
                 print(f"sm_{arch} {name}: no cubin produced", file=sys.stderr)
                 return 1
+            r = resources(compiled)
+            print(f"sm_{arch} {name}: cubin {size} bytes, {r['registers']} registers, local {r['local']} bytes, "
+                  f"shared {r['shared']} bytes, {r['warps']} warps")
+            if r["local"]:
+                print(f"sm_{arch} {name}: spills registers to local memory ({r['local']} bytes)", file=sys.stderr)
+                return 1
             count += 1
-    print(f"{count} kernels compiled")
+    print(f"{count} kernels compiled, none spills")
     return 0
 
 

@@ -1,13 +1,17 @@
 """Triton backend of ``verify_block``: two kernels per block.
 
-1. ``_position_stats_kernel``, one program per (row, position): an online softmax over the vocabulary in
-   chunks (running max, sum of exp, sum of exp * (x - max), argmax with the lowest index on ties, the
-   three largest logits) gives the entropy, the top-3 entropy, the argmax and ``p_target(d_i)``; the max
-   and sum are kept for the correction draw.
-2. ``_accept_kernel``, one program per row: it needs every position of its row. The folded classifier
-   runs on the row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted
-   prefix (exact rule, classifier, or the training-free rule: typical, threshold, fly), and the next token: the argmax at the first rejection (greedy), or an exponential race over
-   the residual ``max(0, p - q)`` (sampling), a second pass over that one position's vocabulary.
+1. ``_split_stats_kernel``, one program per (row, position, vocabulary slice), flash-decoding's split: an
+   online softmax over its slice in chunks (running max, sum of exp, sum of exp * (x - max), argmax with
+   the lowest index on ties, the three largest logits). The slices per position (S, ``split_plan``) are
+   chosen so that the grid fills the GPU: at B = 1 and K = 10 the 11 positions alone would leave an H100's
+   132 multiprocessors nearly idle.
+2. ``_accept_kernel``, one program per row: it needs every position of its row. It merges the S states of
+   each position exactly (slices in order, so the lowest index still wins a tie), which gives the entropy,
+   the top-3 entropy, the argmax and ``p_target(d_i)`` (one logit read); the folded classifier runs on the
+   row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted prefix (exact
+   rule, classifier, or the training-free rule: typical, threshold, fly), and the next token: the argmax at
+   the first rejection (greedy), or an exponential race over the residual ``max(0, p - q)`` (sampling), a
+   second pass over that one position's vocabulary.
 All arithmetic is fp32 whatever the logits' dtype. Tested on the CPU with ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -38,24 +42,20 @@ def _plogp(t, m, log_sum):
 
 
 @triton.jit
-def _position_stats_kernel(
+def _split_stats_kernel(
     logits_ptr,  # [B, K+1, V] fp32/bf16/fp16
-    drafts_ptr,  # [B, K] int64
-    entropy_ptr,  # [B, K+1] fp32 out
-    top3_ptr,  # [B, K+1] fp32 out: -sum p log p over the 3 most likely tokens
-    argmax_ptr,  # [B, K+1] int64 out
-    token_prob_ptr,  # [B, K] fp32 out
-    max_ptr,  # [B, K+1] fp32 out: softmax max, for the correction draw
-    sum_ptr,  # [B, K+1] fp32 out: softmax sum of exp(x - max)
-    K, V, temperature,
+    part_ptr,  # [B, K+1, S, 5] fp32 out: max, sum of exp(x - max), sum of exp(x - max) * (x - max), 2nd, 3rd largest
+    part_arg_ptr,  # [B, K+1, S] int64 out: argmax of the slice (lowest index on ties)
+    V, split_len, S, temperature,
     SCALED: tl.constexpr,  # temperature > 0
     BLOCK_V: tl.constexpr,
 ):
+    """Program (position, split): the online softmax over logits [split * split_len, (split + 1) * split_len)."""
     pos = tl.program_id(0)
-    K1 = K + 1
-    b = pos // K1
-    i = pos % K1
+    sp = tl.program_id(1)
     row = logits_ptr + pos.to(tl.int64) * V
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, V)
     offs = tl.arange(0, BLOCK_V)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -63,9 +63,9 @@ def _position_stats_kernel(
     arg = tl.zeros((), tl.int64) - 1
     t1 = tl.full((), float("-inf"), tl.float32)  # second and third largest (the largest is m)
     t2 = tl.full((), float("-inf"), tl.float32)
-    for c0 in range(0, V, BLOCK_V):
+    for c0 in range(lo, hi, BLOCK_V):
         idx = c0 + offs
-        x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(row + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
         if SCALED:
             x = x / temperature
         cm = tl.max(x, axis=0)
@@ -91,25 +91,38 @@ def _position_stats_kernel(
         e = tl.where(none, 0.0, tl.exp(x - m))
         s += tl.sum(e, axis=0)
         sd += tl.sum(e * d, axis=0)
-    ent = tl.where(s == 0, float("-inf"), tl.log(s) - sd / s)
-    tl.store(entropy_ptr + pos, ent)
-    # Top-3 entropy with the full softmax's probabilities; absent (-inf) entries and an empty row add 0.
-    ls = tl.log(s)
-    h3 = -(_plogp(m, m, ls) + _plogp(t1, m, ls) + _plogp(t2, m, ls))
-    h3 = tl.where(s > 0, h3, tl.where(s != s, s, 0.0))
-    tl.store(top3_ptr + pos, h3)
-    tl.store(argmax_ptr + pos, arg)
-    tl.store(max_ptr + pos, m)
-    tl.store(sum_ptr + pos, s)
-    if i < K:
-        d_tok = tl.load(drafts_ptr + b * K + i)
-        valid = (d_tok >= 0) & (d_tok < V)  # an id out of range reads nothing; its p is NaN, never accepted
-        xd = tl.load(row + d_tok, mask=valid, other=0.0).to(tl.float32)
-        if SCALED:
-            xd = xd / temperature
-        p = tl.where(xd == float("-inf"), 0.0, tl.exp(xd - m) / s)
-        p = tl.where(valid, p, float("nan"))
-        tl.store(token_prob_ptr + b * K + i, p)
+    at = (pos.to(tl.int64) * S + sp)
+    tl.store(part_ptr + at * 5, m)
+    tl.store(part_ptr + at * 5 + 1, s)
+    tl.store(part_ptr + at * 5 + 2, sd)
+    tl.store(part_ptr + at * 5 + 3, t1)
+    tl.store(part_ptr + at * 5 + 4, t2)
+    tl.store(part_arg_ptr + at, arg)
+
+
+@triton.jit
+def _rescaled(m, s, sd, new_m):
+    """(sum, entropy sum) of a state with max m, expressed against the larger max new_m."""
+    delta = tl.where(m == float("-inf"), 0.0, new_m - m)
+    scale = tl.exp(-delta)
+    sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s)))
+    s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
+    return s, sd
+
+
+@triton.jit
+def _merge(m, s, sd, t1, t2, arg, pm, ps, psd, p1, p2, pa):
+    """Two slices' softmax states as one; symmetric, so a reduction tree may pair them in any order (a tie
+    of the maxima keeps the lower index)."""
+    t0, t1, t2 = _top3_insert(m, t1, t2, pm)
+    t0, t1, t2 = _top3_insert(t0, t1, t2, p1)
+    t0, t1, t2 = _top3_insert(t0, t1, t2, p2)
+    new_m = tl.maximum(m, pm)
+    # A state with arg -1 is empty (padding of the reduction): it never wins.
+    arg = tl.where((pa >= 0) & ((arg < 0) | (pm > m) | ((pm == m) & (pa < arg))), pa, arg)
+    sa, sda = _rescaled(m, s, sd, new_m)
+    sb, sdb = _rescaled(pm, ps, psd, new_m)
+    return new_m, sa + sb, sda + sdb, t1, t2, arg
 
 
 @triton.jit
@@ -124,35 +137,79 @@ def _accept_kernel(
     draft_probs_ptr,  # [B, K, V] fp32 (sampling)
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
-    entropy_ptr, top3_ptr, argmax_ptr, token_prob_ptr, max_ptr, sum_ptr,  # from _position_stats_kernel
+    part_ptr, part_arg_ptr,  # [B, K+1, S, 5], [B, K+1, S] from _split_stats_kernel
+    entropy_ptr, top3_ptr,  # [B, K+1] fp32 out
+    argmax_ptr,  # [B, K+1] int64 out
+    token_prob_ptr,  # [B, K] fp32 out
     pivot_prob_ptr,  # [B, K] fp32 out
     accepted_ptr,  # [B, K] bool out
     pivot_accepted_ptr,  # [B, K] bool out
     num_accepted_ptr,  # [B] int64 out
     next_token_ptr,  # [B] int64 out
-    K, V, H, D, sigma, floor, temperature, rule_a, rule_b,
+    K, V, H, D, S, sigma, floor, temperature, rule_a, rule_b,
     window,  # fly: int(rule_b)
     num_drafts_ptr,  # [B] int64: each row's own draft length (HAS_ND)
     HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
     RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly
     HAS_ND: tl.constexpr,  # rows have their own draft lengths
-    KP: tl.constexpr,  # power of 2 >= max(K, 16): tl.dot needs 16 rows
+    KP: tl.constexpr,  # power of 2 >= max(K + 1, 16): tl.dot needs 16 rows
+    SPC: tl.constexpr,  # vocabulary slices merged at once
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     K1 = K + 1
     ks = tl.arange(0, KP)
     kmask = ks < K
+    k1mask = ks < K1
     k_row = K
     if HAS_ND:  # a row that stopped drafting early: clamped to [0, K] like the other backends
         k_row = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
     drafts = tl.load(drafts_ptr + b * K + ks, mask=kmask, other=0)
-    tp = tl.load(token_prob_ptr + b * K + ks, mask=kmask, other=0.0)
-    am = tl.load(argmax_ptr + b * K1 + ks, mask=kmask, other=-1)
+
+    # 0. Merge the S slices' softmax states of each of the row's K+1 positions, in slice order: exact, and
+    # the lowest index wins a tie of the maximum across slices as within one.
+    m = tl.full((KP,), float("-inf"), tl.float32)
+    s = tl.zeros((KP,), tl.float32)
+    sd = tl.zeros((KP,), tl.float32)
+    arg = tl.zeros((KP,), tl.int64) - 1
+    t1 = tl.full((KP,), float("-inf"), tl.float32)
+    t2 = tl.full((KP,), float("-inf"), tl.float32)
+    # SPC slices at a time as a tree (rounding grows with log S, not S), the groups one after another.
+    at = (b * K1 + ks).to(tl.int64) * S
+    cs = tl.arange(0, SPC)
+    for c0 in range(0, S, SPC):
+        cmask = k1mask[:, None] & (c0 + cs[None, :] < S)
+        ix = at[:, None] + c0 + cs[None, :]  # [KP, SPC]
+        pm = tl.load(part_ptr + ix * 5, mask=cmask, other=float("-inf"))
+        ps = tl.load(part_ptr + ix * 5 + 1, mask=cmask, other=0.0)
+        psd = tl.load(part_ptr + ix * 5 + 2, mask=cmask, other=0.0)
+        p1 = tl.load(part_ptr + ix * 5 + 3, mask=cmask, other=float("-inf"))
+        p2 = tl.load(part_ptr + ix * 5 + 4, mask=cmask, other=float("-inf"))
+        pa = tl.load(part_arg_ptr + ix, mask=cmask, other=-1)
+        pm, ps, psd, p1, p2, pa = tl.reduce((pm, ps, psd, p1, p2, pa), 1, _merge)
+        m, s, sd, t1, t2, arg = _merge(m, s, sd, t1, t2, arg, pm, ps, psd, p1, p2, pa)
+    ent_all = tl.where(s == 0, float("-inf"), tl.log(s) - sd / s)
+    # Top-3 entropy with the full softmax's probabilities; absent (-inf) entries and an empty row add 0.
+    ls = tl.log(s)
+    h3_all = -(_plogp(m, m, ls) + _plogp(t1, m, ls) + _plogp(t2, m, ls))
+    h3_all = tl.where(s > 0, h3_all, tl.where(s != s, s, 0.0))
+    tl.store(entropy_ptr + b * K1 + ks, ent_all, mask=k1mask)
+    tl.store(top3_ptr + b * K1 + ks, h3_all, mask=k1mask)
+    tl.store(argmax_ptr + b * K1 + ks, arg, mask=k1mask)
+    # p_target of each draft token: one logit read per position.
+    valid = kmask & (drafts >= 0) & (drafts < V)  # an id out of range reads nothing; its p is NaN, never accepted
+    xd = tl.load(logits_ptr + (b * K1 + ks).to(tl.int64) * V + drafts, mask=valid, other=0.0).to(tl.float32)
+    if SAMPLING:
+        xd = xd / temperature
+    tp = tl.where(xd == float("-inf"), 0.0, tl.exp(xd - m) / s)
+    tp = tl.where(valid, tp, float("nan"))
+    tl.store(token_prob_ptr + b * K + ks, tp, mask=kmask)
+    tp = tl.where(kmask, tp, 0.0)
+    am = tl.where(kmask, arg, -1)
 
     # 1. Pivot probability of every draft position: sigmoid(w2 . relu(W1^T [h; p; entropy] + b1) + b2).
     if HAS_CLF:
-        ent = tl.load(entropy_ptr + b * K1 + ks, mask=kmask, other=0.0)
+        ent = tl.where(kmask, ent_all, 0.0)
         ds = tl.arange(0, BLOCK_D)
         dmask = ds < D
         acc = tl.zeros((KP, BLOCK_D), tl.float32)
@@ -184,12 +241,12 @@ def _accept_kernel(
     if HAS_CLF:
         ok = ok | ((sigma > 0) & (pivot <= sigma) & (tp >= floor))
     if RULE == 1:  # typical: p > min(epsilon, delta * exp(-H))
-        ent_k = tl.load(entropy_ptr + b * K1 + ks, mask=kmask, other=0.0)
+        ent_k = tl.where(kmask, ent_all, 0.0)
         ok = ok | (tp > tl.minimum(rule_a, rule_b * tl.exp(-ent_k)))
     if RULE == 2:  # threshold: p >= tau
         ok = ok | (tp >= rule_a)
     if RULE == 3:  # fly: top-3 entropy >= gate and the next window - 1 drafts, inside the block, match
-        h3 = tl.load(top3_ptr + b * K1 + ks, mask=kmask, other=0.0)
+        h3 = tl.where(kmask, h3_all, 0.0)
         # The first mismatch after each position (K when none): [KP, KP] over (position, later position).
         later = (ks[None, :] > ks[:, None]) & (ks[None, :] < K) & ~exact[None, :]
         next_miss = tl.min(tl.where(later, ks[None, :], K), axis=1)
@@ -206,8 +263,8 @@ def _accept_kernel(
     # 3. The correction token at the first rejection, or the bonus token after K accepted.
     if SAMPLING:
         pos = b * K1 + n
-        m = tl.load(max_ptr + pos)
-        s = tl.load(sum_ptr + pos)
+        mx = tl.sum(tl.where(ks == n, m, 0.0), axis=0)
+        sm = tl.sum(tl.where(ks == n, s, 0.0), axis=0)
         row = logits_ptr + pos.to(tl.int64) * V
         qrow = draft_probs_ptr + (b * K + n).to(tl.int64) * V
         erow = exponentials_ptr + b.to(tl.int64) * V
@@ -221,7 +278,7 @@ def _accept_kernel(
             idx = c0 + offs
             vmask = idx < V
             x = tl.load(row + idx, mask=vmask, other=float("-inf")).to(tl.float32) / temperature
-            p = tl.where(x == float("-inf"), 0.0, tl.exp(x - m) / s)
+            p = tl.where(x == float("-inf"), 0.0, tl.exp(x - mx) / sm)
             q = tl.load(qrow + idx, mask=vmask & (n < k_row), other=0.0)  # past the row's drafts q is 0: bonus
             e = tl.maximum(tl.load(erow + idx, mask=vmask, other=1.0), MIN_EXPONENTIAL)
             r = tl.maximum(p - q, 0.0)
@@ -238,17 +295,40 @@ def _accept_kernel(
             best_p = tl.maximum(cp, best_p)
         tl.store(next_token_ptr + b, tl.where(rsum > 0, arg_r, arg_p))
     else:
-        tl.store(next_token_ptr + b, tl.load(argmax_ptr + b * K1 + n))
+        tl.store(next_token_ptr + b, tl.sum(tl.where(ks == n, arg, 0), axis=0))
 
 
 def launch_config(K: int, V: int, H: int, D: int) -> dict:
-    """Compile-time block sizes for one shape (shared by the launcher and the ahead-of-time check)."""
+    """Compile-time block sizes of the accept kernel for one shape (shared by the launcher and the
+    ahead-of-time check)."""
     return dict(
-        KP=max(16, triton.next_power_of_2(max(K, 1))),
+        KP=max(16, triton.next_power_of_2(K + 1)),
         BLOCK_H=64 if H >= 64 else 16,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_V=1024,
+        SPC=16,
     )
+
+
+# Programs of the stats kernel to aim for per streaming multiprocessor: each keeps one chunk of logits in
+# flight, so an SM needs several at once to hide the loads' latency (8 fit at once on sm_90: 56 registers
+# x 128 threads each; ``bench/perf_model.py``).
+PROGRAMS_PER_SM = 8
+MIN_SPLIT = 1024  # logits per slice at least: smaller slices cost more in the merge than they save
+
+
+def split_plan(positions: int, V: int, sm_count: int | None, splits: int | None = None) -> tuple[int, int, int]:
+    """(S, split_len, BLOCK_V): the vocabulary cut into S slices of ``split_len`` logits so that
+    ``positions`` x S programs fill ``sm_count`` multiprocessors (S = 1 when the positions alone do, or
+    without a GPU); ``splits`` asks for a count instead (tests). The last slice may be shorter."""
+    if splits is None:
+        want = 1 if not sm_count else -(-PROGRAMS_PER_SM * sm_count // max(positions, 1))
+        splits = max(1, min(want, V // MIN_SPLIT))
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
+    split_len = -(-V // splits) if V else 1
+    S = max(1, -(-V // split_len))  # asking for more slices than logits gives one logit each
+    return S, split_len, min(1024, triton.next_power_of_2(split_len))
 
 
 def verify_block_triton(
@@ -266,23 +346,28 @@ def verify_block_triton(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
     out: VerifyResult | None = None,
+    splits: int | None = None,
 ) -> VerifyResult:
-    """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
+    """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first).
+    ``splits``: vocabulary slices per position (default: enough to fill the GPU, see ``split_plan``)."""
     B, K1, V = target_logits.shape
     K = K1 - 1
     dev = target_logits.device
     out = out if out is not None else empty_result(B, K, dev)
     logits = target_logits.contiguous()
     drafts = draft_tokens.contiguous()
-    stats_max = torch.empty(B, K1, dtype=torch.float32, device=dev)
-    stats_sum = torch.empty(B, K1, dtype=torch.float32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
+    S, split_len, block_v = split_plan(B * K1, V, sms, splits)
+    part = torch.empty(B * K1 * S * 5, dtype=torch.float32, device=dev)
+    part_arg = torch.empty(B * K1 * S, dtype=torch.int64, device=dev)
     sampling = temperature > 0
-    _position_stats_kernel[(B * K1,)](
-        logits, drafts, out.entropy, out.top3_entropy, out.argmax, out.token_prob, stats_max, stats_sum,
-        K, V, float(temperature) if sampling else 1.0, SCALED=sampling, BLOCK_V=1024,
-    )
+    if B * K1:
+        _split_stats_kernel[(B * K1, S)](
+            logits, part, part_arg, V, split_len, S, float(temperature) if sampling else 1.0,
+            SCALED=sampling, BLOCK_V=block_v,
+        )
     has_clf = classifier is not None
-    dummy = stats_max  # a valid pointer for arguments a specialization never reads
+    dummy = part  # a valid pointer for arguments a specialization never reads
     if has_clf:
         w1, b1, w2, b2 = (t.to(device=dev, dtype=torch.float32).contiguous() for t in classifier)
         hid = hidden.contiguous()
@@ -297,11 +382,12 @@ def verify_block_triton(
     else:
         dp = un = ex = dummy
     _accept_kernel[(B,)](
-        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex,
-        out.entropy, out.top3_entropy, out.argmax, out.token_prob, stats_max, stats_sum,
+        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_arg,
+        out.entropy, out.top3_entropy, out.argmax, out.token_prob,
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token,
-        K, V, H, D, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a), float(rule.b),
-        int(rule.b) if rule.name == "fly" else 0, num_drafts.contiguous() if num_drafts is not None else dummy,
+        K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
+        float(rule.b), int(rule.b) if rule.name == "fly" else 0,
+        num_drafts.contiguous() if num_drafts is not None else dummy,
         HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D),
     )
     return out
