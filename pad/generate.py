@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pad_kernels import AcceptRule, FoldedClassifier, verify_block
+from pad_kernels import AcceptRule, FoldedClassifier, Workspace, verify_block
 from pad_kernels.verify import check_rule
 
 from .classifier import PivotClassifier
@@ -303,6 +303,7 @@ def _decode_alone(dec, run, policy, temperature, top_p, gen, backend) -> None:
     """Autoregressive decoding with one model (the target or draft policy), all live rows at once."""
     pending = [list(p) for p in run.prompts]  # committed tokens the model has not seen, per batch row
     steps = 0
+    workspace = Workspace(len(run.live), 0, dec.device)  # the op's outputs, reused by every step
     while run.live:
         b = len(run.live)
         ids, fed = left_pad(pending, dec.device)
@@ -312,7 +313,7 @@ def _decode_alone(dec, run, policy, temperature, top_p, gen, backend) -> None:
             logits, torch.empty((b, 0), dtype=torch.long, device=dec.device), temperature=temperature,
             uniforms=uniforms, exponentials=exponentials,
             draft_probs=logits.new_zeros((b, 0, dec.vocab), dtype=torch.float32) if gen is not None else None,
-            backend=backend,
+            backend=backend, out=workspace,
         )
         host = torch.cat([res.next_token, (~torch.isfinite(res.entropy).all()).long()[None]]).tolist()
         tokens, bad = host[:b], host[b]
@@ -343,6 +344,7 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
     # Committed tokens each model has not seen yet, per batch row (first: the whole prompt).
     pend_t, pend_d = [list(p) for p in run.prompts], [list(p) for p in run.prompts]
     blocks = 0
+    workspace = Workspace(len(run.live), num_draft_tokens, tgt.device)  # the op's outputs, reused by every block
     try:
         while run.live:
             b = len(run.live)
@@ -386,7 +388,7 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                 sigma=sigma, floor=floor, temperature=temperature,
                 draft_probs=torch.stack(draft_probs, 1).to(tgt.device) if gen is not None else None,
                 uniforms=uniforms, exponentials=exponentials, rule=rule, backend=backend,
-                num_drafts=lengths.to(tgt.device) if lengths is not None else None,
+                num_drafts=lengths.to(tgt.device) if lengths is not None else None, out=workspace,
             )
 
             # 3. Accept: the block's only device-to-host sync.

@@ -1,5 +1,5 @@
 """Fused verification op for speculative decoding: one call per block (see ``verify_block``)."""
-from .types import FEATURE_NAMES, RULES, AcceptRule, FoldedClassifier, VerifyResult
+from .types import FEATURE_NAMES, RULES, AcceptRule, FoldedClassifier, VerifyResult, Workspace
 from .verify import BACKEND_NAMES, available_backends, resolve_backend, verify_block
 from .verify_ref import verify_block_ref
 
@@ -10,6 +10,7 @@ __all__ = [
     "FoldedClassifier",
     "RULES",
     "VerifyResult",
+    "Workspace",
     "available_backends",
     "resolve_backend",
     "verify_block",

@@ -102,6 +102,27 @@ def empty_result(B: int, K: int, device) -> VerifyResult:
     )
 
 
+class Workspace:
+    """Outputs of ``verify_block`` allocated once for blocks of up to ``rows`` rows and ``k`` drafts and
+    reused: ``result(b, k)`` views the first elements of each buffer as a contiguous ``VerifyResult`` of
+    shape (b, k), so a decode loop whose rows leave or whose blocks shrink allocates nothing per block, and
+    a fixed (b, k) always gets the same memory (what a captured CUDA graph needs)."""
+
+    def __init__(self, rows: int, k: int, device):
+        self.rows, self.k = rows, k
+        self.buffers = empty_result(rows, k, device)
+        self._views: dict[tuple[int, int], VerifyResult] = {}
+
+    def result(self, b: int, k: int) -> VerifyResult:
+        if not (0 <= b <= self.rows and 0 <= k <= self.k):
+            raise ValueError(f"a workspace for {self.rows} rows and K = {self.k} cannot hold {b} rows and K = {k}")
+        if (b, k) not in self._views:
+            shapes = empty_result(b, k, "meta")
+            self._views[(b, k)] = VerifyResult(*(buf.flatten()[: s.numel()].view(s.shape)
+                                                 for buf, s in zip(self.buffers, shapes)))
+        return self._views[(b, k)]
+
+
 def extension_inputs(hidden, classifier, temperature, draft_probs, uniforms, exponentials, device) -> list:
     """The optional inputs of the compiled backends' ``verify_block_out``, in order: hidden, w1, b1, w2, b2,
     draft_probs, uniforms, exponentials; contiguous, fp32 where the kernels read fp32, None where unused."""

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from .types import FEATURE_NAMES, RULES, SAMPLING_RULES, AcceptRule, FoldedClassifier, VerifyResult, empty_result
+from .types import (FEATURE_NAMES, RULES, SAMPLING_RULES, AcceptRule, FoldedClassifier, VerifyResult, Workspace,
+                    empty_result)
 from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
@@ -64,6 +65,7 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [name for name in order if _available(name, device)]
 
 
+@torch.compiler.assume_constant_result  # host logic (imports, environment): run once when compiled, not traced
 def resolve_backend(backend: str | None, device: torch.device | str) -> str:
     """The backend to use: ``backend``, else ``$PAD_BACKEND``, else the fastest available (``auto``).
 
@@ -151,7 +153,9 @@ def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor,
     # Checked on the host for CPU tensors, whatever the backend. On GPU tensors this check would sync the
     # host, so there the kernels guard instead: an id out of range reads nothing and gets p = NaN, which
     # no rule accepts (the reference says the same).
-    if device.type == "cpu" and K > 0 and (draft_tokens.min() < 0 or draft_tokens.max() >= V):
+    # Under torch.compile the check would be a data-dependent branch; the kernels' guard stands alone there.
+    if device.type == "cpu" and K > 0 and not torch.compiler.is_compiling() \
+            and (draft_tokens.min() < 0 or draft_tokens.max() >= V):
         raise ValueError(f"draft_tokens must lie in [0, {V})")
 
 
@@ -170,6 +174,7 @@ def verify_block(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64 in [0, K]: each row's own draft length (draft_stop)
     backend: str | None = None,
+    out: VerifyResult | Workspace | None = None,
 ) -> VerifyResult:
     """Verify one block of draft tokens against the target's logits.
 
@@ -178,8 +183,10 @@ def verify_block(
     ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``rule`` adds a training-free
     relaxation (``AcceptRule``: typical, threshold, fly); a token is accepted when the exact rule, the
     classifier or the rule accepts it. ``num_drafts``: rows that stopped drafting early (positions from
-    ``num_drafts[b]`` on are padding, never accepted; the token after a row's last draft is its bonus). ``K = 0`` is allowed: it only picks the next token (autoregressive
-    decoding).
+    ``num_drafts[b]`` on are padding, never accepted; the token after a row's last draft is its bonus).
+    ``K = 0`` is allowed: it only picks the next token (autoregressive decoding). ``out``: caller-owned
+    outputs to write (contiguous, the shapes and dtypes of ``VerifyResult`` on the logits' device), or a
+    ``Workspace`` to take them from; nothing is allocated for the outputs then.
     """
     if temperature > 0:
         B, K1, V = target_logits.shape
@@ -196,15 +203,37 @@ def verify_block(
             raise ValueError(f"num_drafts must be int64 [B] = [{B}] on {target_logits.device}, got "
                              f"{num_drafts.dtype} {tuple(num_drafts.shape)} on {num_drafts.device}")
         # Checked on the host for CPU tensors only (a GPU check would sync); kernels clamp to [0, K].
-        if num_drafts.device.type == "cpu" and B and (num_drafts.min() < 0 or num_drafts.max() > K1 - 1):
+        if num_drafts.device.type == "cpu" and B and not torch.compiler.is_compiling() \
+                and (num_drafts.min() < 0 or num_drafts.max() > K1 - 1):
             raise ValueError(f"num_drafts must lie in [0, {K1 - 1}]")
     w1, b1, w2, b2 = classifier if classifier is not None else (None, None, None, None)
+    if out is not None:
+        B, K1 = target_logits.shape[:2]
+        out = _check_out(out.result(B, K1 - 1) if isinstance(out, Workspace) else out, B, K1 - 1,
+                         target_logits.device)
+        verify_block_out_op(
+            target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
+            float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
+            float(rule.b), num_drafts, resolve_backend(backend, target_logits.device), *out,
+        )
+        return out
     out = verify_block_op(
         target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
         float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
         float(rule.b), num_drafts, resolve_backend(backend, target_logits.device),
     )
     return VerifyResult(*out)
+
+
+def _check_out(out, B: int, K: int, device) -> VerifyResult:
+    if not isinstance(out, VerifyResult):
+        raise TypeError(f"out must be a pad_kernels.VerifyResult or Workspace, got {type(out).__name__}")
+    for name, got, want in zip(VerifyResult._fields, out, empty_result(B, K, "meta")):
+        if got.shape != want.shape or got.dtype != want.dtype or got.device != torch.device(device) \
+                or not got.is_contiguous():
+            raise ValueError(f"out.{name} must be a contiguous {want.dtype} tensor of shape {list(want.shape)} on "
+                             f"{device}, got {got.dtype} {list(got.shape)} on {got.device}")
+    return out
 
 
 Tensor = torch.Tensor
@@ -232,3 +261,30 @@ def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigm
                        draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, backend):
     B, K1, _ = target_logits.shape
     return tuple(empty_result(B, K1 - 1, target_logits.device))
+
+
+@torch.library.custom_op("pad_kernels::verify_block_out", mutates_args=VerifyResult._fields)
+def verify_block_out_op(
+    target_logits: Tensor, draft_tokens: Tensor, hidden: OptTensor, w1: OptTensor, b1: OptTensor, w2: OptTensor,
+    b2: OptTensor, sigma: float, floor: float, temperature: float, draft_probs: OptTensor, uniforms: OptTensor,
+    exponentials: OptTensor, rule: int, rule_a: float, rule_b: float, num_drafts: OptTensor, backend: str,
+    entropy: Tensor, token_prob: Tensor, argmax: Tensor, pivot_prob: Tensor, accepted: Tensor,
+    pivot_accepted: Tensor, num_accepted: Tensor, next_token: Tensor, top3_entropy: Tensor,
+) -> None:
+    """``verify_block`` writing into caller-owned outputs (``torch.ops.pad_kernels.verify_block_out``): no
+    allocation for the outputs, fixed addresses per (B, K) for CUDA graphs."""
+    out = VerifyResult(entropy, token_prob, argmax, pivot_prob, accepted, pivot_accepted, num_accepted, next_token,
+                       top3_entropy)
+    classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
+    kwargs = dict(sigma=sigma, floor=floor, temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
+                  exponentials=exponentials, rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts)
+    if backend == "torch":  # the reference allocates its results: copy them over
+        for o, r in zip(out, verify_block_ref(target_logits, draft_tokens, hidden, classifier, **kwargs)):
+            o.copy_(r)
+    else:
+        _impl(backend)(target_logits, draft_tokens, hidden, classifier, **kwargs, out=out)
+
+
+@verify_block_out_op.register_fake
+def _verify_block_out_fake(*args) -> None:
+    return None
