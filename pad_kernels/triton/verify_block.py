@@ -6,7 +6,7 @@
    chosen so that the grid fills the GPU: at B = 1 and K = 10 the 11 positions alone would leave an H100's
    132 multiprocessors nearly idle.
 2. ``_accept_kernel``, one program per row: it needs every position of its row. It merges the S states of
-   each position exactly (slices in order, so the lowest index still wins a tie), which gives the entropy,
+   each position exactly (as a tree; a tie of the maximum keeps the lowest index), which gives the entropy,
    the top-3 entropy, the argmax and ``p_target(d_i)`` (one logit read); the folded classifier runs on the
    row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted prefix (exact
    rule, classifier, or the training-free rule: typical, threshold, fly), and the next token: the argmax at
@@ -39,6 +39,17 @@ def _plogp(t, m, log_sum):
     """p log p of the probability of logit t (0 for -inf)."""
     lp = (t - m) - log_sum
     return tl.where(t == float("-inf"), 0.0, tl.exp(lp) * lp)
+
+
+@triton.jit
+def _rescaled(m, s, sd, new_m):
+    """(sum, entropy sum) of a state with max m, expressed against the larger max new_m; a state whose max
+    is -inf holds no mass (NaN is kept alive via * 0)."""
+    delta = tl.where(m == float("-inf"), 0.0, new_m - m)
+    scale = tl.exp(-delta)
+    sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s)))
+    s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
+    return s, sd
 
 
 @triton.jit
@@ -80,11 +91,7 @@ def _split_stats_kernel(
         t0, t1, t2 = _top3_insert(t0, t1, t2, c2)
         new_m = tl.maximum(m, cm)
         arg = tl.where((cm > m) | (arg < 0), ca, arg)
-        # Rescale to the new max; a state whose max is -inf holds no mass (keep NaN alive via * 0).
-        delta = tl.where(m == float("-inf"), 0.0, new_m - m)
-        scale = tl.exp(-delta)
-        sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s)))
-        s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
+        s, sd = _rescaled(m, s, sd, new_m)
         m = new_m
         none = x == float("-inf")
         d = tl.where(none, 0.0, x - m)
@@ -98,16 +105,6 @@ def _split_stats_kernel(
     tl.store(part_ptr + at * 5 + 3, t1)
     tl.store(part_ptr + at * 5 + 4, t2)
     tl.store(part_arg_ptr + at, arg)
-
-
-@triton.jit
-def _rescaled(m, s, sd, new_m):
-    """(sum, entropy sum) of a state with max m, expressed against the larger max new_m."""
-    delta = tl.where(m == float("-inf"), 0.0, new_m - m)
-    scale = tl.exp(-delta)
-    sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s)))
-    s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
-    return s, sd
 
 
 @triton.jit
