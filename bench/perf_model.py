@@ -45,10 +45,11 @@ def kernel_time_us(total_bytes: float, grid: int, program_bytes: float, in_fligh
 
 
 def case(B: int, K: int, itemsize: int, gpu: dict, splits: int | None, res: dict) -> dict:
-    from pad_kernels.triton.verify_block import split_plan
+    from pad_kernels.splits import split_plan
 
     positions = B * (K + 1)
-    S, split_len, block_v = split_plan(positions, V, gpu["sms"], splits)
+    S, split_len = split_plan(positions, V, gpu["sms"], splits)
+    block_v = min(1024, 1 << (split_len - 1).bit_length())  # the Triton stats kernel's chunk
     logits = positions * V * itemsize
     states = positions * S * STATE_BYTES
     t1 = kernel_time_us(logits + states, positions * S, split_len * itemsize + STATE_BYTES, block_v * itemsize,

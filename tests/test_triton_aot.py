@@ -24,16 +24,16 @@ def test_triton_kernels_compile_for_sm80_and_sm90():
 
 
 def test_split_plan_fills_the_gpu():
-    from pad_kernels.triton.verify_block import PROGRAMS_PER_SM, split_plan
+    from pad_kernels.splits import PROGRAMS_PER_SM, split_plan
 
     V = 151936
-    assert split_plan(11, V, None) == (1, V, 1024)  # no GPU (the interpreter): one slice
+    assert split_plan(11, V, None) == (1, V)  # no GPU (the interpreter): one slice
     for positions in (5, 11, 88, 352, 2000):
-        S, length, block = split_plan(positions, V, 132)
-        assert (S - 1) * length < V <= S * length and block == 1024
+        S, length = split_plan(positions, V, 132)
+        assert (S - 1) * length < V <= S * length
         assert positions * S >= min(PROGRAMS_PER_SM * 132, positions * (V // 1024))  # the grid fills the GPU
         assert S == 1 or positions * (S - 1) < PROGRAMS_PER_SM * 132  # and no more slices than that takes
-    assert split_plan(5, 700, None, 64) == (64, 11, 16)  # asked for: slices of 11 logits, the last of 7
+    assert split_plan(5, 700, None, 64) == (64, 11)  # asked for: slices of 11 logits, the last of 7
 
 
 def test_model_predicts_b1_k10_near_the_floor():

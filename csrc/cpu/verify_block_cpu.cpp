@@ -59,7 +59,7 @@ pad::RowStats position_stats(const T* x, int64_t V, float temperature) {
       cs += e;
       cx += none ? 0.0f : e * (v - m);
     }
-    s.sum += static_cast<float>(cs);
+    s.sum += cs;
     s.sum_dexp += static_cast<float>(cx);
   }
   return s;
@@ -191,45 +191,22 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
   });
 }
 
-// The CUDA kernels' reductions run on the CPU: `threads` lanes each push a strided slice of the
-// vocabulary, then a shared-memory-style tree merges them, exactly as verify_block.cu does, so the tests
-// can check row_push/row_merge and race_push/race_merge against the reference without a GPU.
-// logits [N, V] fp32 (already temperature-scaled); q, e [N, V] fp32 (race inputs).
-std::vector<at::Tensor> emulate_cuda_reductions(const at::Tensor& logits, const at::Tensor& q, const at::Tensor& e,
-                                                int64_t threads) {
-  check(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(), "logits must be fp32 [N, V]");
-  check(q.sizes() == logits.sizes() && e.sizes() == logits.sizes(), "q and e must be [N, V] like logits");
-  check(threads > 0 && (threads & (threads - 1)) == 0, "threads must be a power of 2");
-  const int64_t N = logits.size(0), V = logits.size(1);
-  auto entropy = at::empty({N}, logits.options()), winner = at::empty({N}, logits.options().dtype(at::kLong));
-  auto argmax = at::empty({N}, logits.options().dtype(at::kLong)), top3 = at::empty({N}, logits.options());
-  const float *x = logits.data_ptr<float>(), *qp = q.data_ptr<float>(), *ep = e.data_ptr<float>();
-  for (int64_t r = 0; r < N; ++r) {
-    const float* row = x + r * V;
-    std::vector<pad::RowStats> part(threads, pad::row_empty());
-    for (int64_t t = 0; t < threads; ++t)
-      for (int64_t v = t; v < V; v += threads) pad::row_push(part[t], row[v], v);
-    for (int64_t stride = threads / 2; stride > 0; stride /= 2)
-      for (int64_t t = 0; t < stride; ++t) part[t] = pad::row_merge(part[t], part[t + stride]);
-    const pad::RowStats s = part[0];
-    entropy[r] = pad::row_entropy(s);
-    argmax[r] = s.argmax;
-    top3[r] = pad::row_top3_entropy(s);
-    std::vector<pad::Race> races(threads, pad::race_empty());
-    for (int64_t t = 0; t < threads; ++t)
-      for (int64_t v = t; v < V; v += threads)
-        pad::race_push(races[t], pad::row_prob(s, row[v]), qp[r * V + v], ep[r * V + v], v);
-    for (int64_t stride = threads / 2; stride > 0; stride /= 2)
-      for (int64_t t = 0; t < stride; ++t) races[t] = pad::race_merge(races[t], races[t + stride]);
-    winner[r] = pad::race_winner(races[0]);
-  }
-  return {entropy, argmax, winner, top3};
-}
-
 }  // namespace
+
+// csrc/cpu/emulate_cuda.cpp
+void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_tokens,
+                         const c10::optional<at::Tensor>& hidden, const c10::optional<at::Tensor>& w1,
+                         const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
+                         const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
+                         const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
+                         const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
+                         const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob,
+                         at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
+                         at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy, int64_t splits,
+                         int64_t split_len, int64_t race_splits, int64_t race_split_len, int64_t threads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pad_kernels C++ CPU backend of verify_block";
   m.def("verify_block_out", &verify_block_cpu_out, "Fused verification of one block into preallocated outputs");
-  m.def("emulate_cuda_reductions", &emulate_cuda_reductions, "The CUDA kernels' thread reductions, run on the CPU");
+  m.def("emulate_cuda_verify", &emulate_cuda_verify, "The CUDA backend's kernels, simulated block by block on the CPU");
 }

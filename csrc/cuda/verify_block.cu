@@ -1,8 +1,12 @@
 // CUDA backend of pad_kernels.verify_block, free of torch headers (plain nvcc compiles it in seconds).
-// Kernel 1: one thread block per (row, position): threads scan the vocabulary with the online softmax of
-// pad/verify_math.h and merge their states in shared memory. Kernel 2: one thread block per row: the
-// folded classifier (threads over its D units), the accepted prefix, and the correction/bonus token
-// (a block-wide exponential race in sampling). The math is the same header the CPU backend runs.
+// Kernel 1, grid (row x position, S): each thread block scans one of S slices of the vocabulary with the
+// online softmax of pad/verify_math.h (flash-decoding's split: at B = 1 the K + 1 positions alone would
+// leave most of a GPU idle) and writes the slice's state. Kernel 2, one thread block per row: merges the S
+// states of each position exactly (ties keep the lowest index), the folded classifier as a tiled product
+// over the row's positions (each W1 weight read once per 16 positions), and the accepted prefix. Kernel 3
+// (sampling only), grid (row, S): the exponential race over the residual at the row's first rejection,
+// one slice per block; the last block of a row to finish merges the S races. The per-thread math is the
+// header's, which the CPU extension runs in the same order (emulate_cuda_verify) for the tests.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -12,133 +16,193 @@
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kFeatures = 2;
+using pad_cuda::kThreads;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 template <typename T>
-__device__ __forceinline__ float scaled(const T* x, int64_t v, float temperature) {
-  const float f = to_float(x[v]);
-  return temperature > 0.0f ? f / temperature : f;
+struct ScaledLogits {  // x_at(v): logit v of one position, divided by the temperature when sampling
+  const T* x;
+  float temperature;
+  __device__ float operator()(int64_t v) const {
+    const float f = to_float(x[v]);
+    return temperature > 0.0f ? f / temperature : f;
+  }
+};
+
+struct MergeStats {
+  __device__ pad::RowStats operator()(const pad::RowStats& a, const pad::RowStats& b) const { return pad::row_merge(a, b); }
+};
+struct MergeRaces {
+  __device__ pad::Race operator()(const pad::Race& a, const pad::Race& b) const { return pad::race_merge(a, b); }
+};
+
+// The tree of the header: every thread gets the block's value; `shared` is free again on return.
+template <typename V, typename Merge>
+__device__ V block_reduce(V* shared, const V& mine, Merge merge) {
+  shared[threadIdx.x] = mine;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) shared[threadIdx.x] = merge(shared[threadIdx.x], shared[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  const V all = shared[0];
+  __syncthreads();
+  return all;
 }
 
 template <typename T>
-__global__ void position_stats_kernel(const T* __restrict__ logits,         // [B, K+1, V]
-                                      const int64_t* __restrict__ drafts,   // [B, K]
-                                      float* entropy, int64_t* argmax,      // [B, K+1]
-                                      float* top3_entropy,                  // [B, K+1]
-                                      float* token_prob,                    // [B, K]
-                                      float* row_max, float* row_sum,       // [B, K+1]
-                                      int64_t K, int64_t V, float temperature) {
-  __shared__ pad::RowStats partial[kThreads];
-  const int64_t pos = blockIdx.x, K1 = K + 1, b = pos / K1, i = pos % K1;
-  const T* x = logits + pos * V;
-  pad::RowStats s = pad::row_empty();
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) pad::row_push(s, scaled(x, v, temperature), v);
-  partial[threadIdx.x] = s;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) partial[threadIdx.x] = pad::row_merge(partial[threadIdx.x], partial[threadIdx.x + stride]);
-    __syncthreads();
-  }
-  if (threadIdx.x != 0) return;
-  const pad::RowStats t = partial[0];
-  entropy[pos] = pad::row_entropy(t);
-  top3_entropy[pos] = pad::row_top3_entropy(t);
-  argmax[pos] = t.argmax;
-  row_max[pos] = t.max;
-  row_sum[pos] = t.sum;
-  if (i < K) {
-    const int64_t d = drafts[b * K + i];
-    token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(t, scaled(x, d, temperature)) : NAN;
-  }
+__global__ void __launch_bounds__(kThreads) split_stats_kernel(const T* __restrict__ logits,  // [B, K+1, V]
+                                                               pad::RowStats* parts,          // [B, K+1, S] out
+                                                               int64_t V, int64_t split_len, float temperature) {
+  __shared__ pad::RowStats shared[kThreads];
+  const int64_t pos = blockIdx.x, sp = blockIdx.y, S = gridDim.y;
+  const ScaledLogits<T> x{logits + pos * V, temperature};
+  const pad::RowStats s = block_reduce(
+      shared, pad::thread_row_stats(x, pad::vocab_slice(sp, split_len, V), threadIdx.x, blockDim.x), MergeStats{});
+  if (threadIdx.x == 0) parts[pos * S + sp] = s;
 }
 
 template <typename T, typename H>
-__global__ void accept_kernel(const T* __restrict__ logits, const int64_t* __restrict__ drafts,
-                              const H* __restrict__ hidden,  // [B, K+1, Hdim]
-                              const float* w1, const float* b1, const float* w2, const float* b2,  // [Hdim+2, D], [D], [D], []
-                              const float* draft_probs, const float* uniforms, const float* exponentials,
-                              const float* entropy, const float* top3_entropy, const int64_t* argmax,
-                              const float* token_prob, const float* row_max, const float* row_sum,
-                              float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted,
-                              int64_t* next_token, int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma,
-                              float floor_, float temperature, pad::Rule rule, const int64_t* num_drafts) {
-  __shared__ float red[kThreads];
-  __shared__ pad::Race races[kThreads];
-  __shared__ int64_t n_shared;
-  const int64_t k_row = pad::row_drafts(num_drafts, blockIdx.x, K);
-  const int64_t b = blockIdx.x, K1 = K + 1;
+__global__ void __launch_bounds__(kThreads) accept_kernel(
+    const T* __restrict__ logits, const int64_t* __restrict__ drafts,
+    const H* __restrict__ hidden,  // [B, K+1, Hdim]
+    const float* w1, const float* b1, const float* w2, const float* b2,  // [Hdim+2, D], [D], [D], []
+    const float* draft_probs, const float* uniforms, const pad::RowStats* parts, int64_t S,
+    float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, pad::RowStats* stats_out,
+    float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token,
+    unsigned* races_done, int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_,
+    float temperature, pad::Rule rule, const int64_t* num_drafts) {
+  __shared__ pad::RowStats shared[kThreads];
+  __shared__ float h[pad::kTile][pad::kHChunk];
+  __shared__ float red[pad::kTile][kThreads];
+  const int64_t b = blockIdx.x, K1 = K + 1, t = threadIdx.x, threads = blockDim.x;
   const bool has_clf = w1 != nullptr, sampling = temperature > 0.0f;
 
-  // 1. Pivot probabilities: thread j owns unit j of the hidden layer.
-  for (int64_t i = 0; i < K; ++i) {
-    float part = 0.0f;
-    if (has_clf) {
-      const H* h = hidden + (b * K1 + i) * Hdim;
-      const float f[kFeatures] = {token_prob[b * K + i], entropy[b * K1 + i]};
-      for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-        float acc = b1[j];
-        for (int64_t k = 0; k < Hdim; ++k) acc += to_float(h[k]) * w1[k * D + j];
-        for (int k = 0; k < kFeatures; ++k) acc += f[k] * w1[(Hdim + k) * D + j];
-        part += w2[j] * fmaxf(acc, 0.0f);
-      }
+  // 0. Each position's state from its S slices.
+  for (int64_t i = 0; i < K1; ++i) {
+    const int64_t pos = b * K1 + i;
+    const pad::RowStats s = block_reduce(shared, pad::thread_slice_stats(parts + pos * S, S, t, threads), MergeStats{});
+    if (t != 0) continue;
+    entropy[pos] = pad::row_entropy(s);
+    top3_entropy[pos] = pad::row_top3_entropy(s);
+    argmax[pos] = s.argmax;
+    stats_out[pos] = s;
+    if (i < K) {
+      const int64_t d = drafts[b * K + i];
+      token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + pos * V, temperature}(d)) : NAN;
     }
-    red[threadIdx.x] = part;
+  }
+  __syncthreads();  // thread 0's features are read by every thread below
+
+  // 1. Pivot probabilities, kTile positions at a time (has_clf is the same for every thread: the barriers
+  // inside are reached by all).
+  if (!has_clf)
+    for (int64_t i = t; i < K; i += threads) pivot_prob[b * K + i] = 1.0f;
+  for (int64_t i0 = 0; has_clf && i0 < K; i0 += pad::kTile) {
+    const int np = K - i0 < pad::kTile ? static_cast<int>(K - i0) : pad::kTile;
+    float part[pad::kTile] = {};
+    for (int64_t j0 = 0; j0 < D; j0 += threads) {  // every thread runs the same iterations
+      const int64_t j = j0 + t;
+      float acc[pad::kTile];
+      if (j < D) pad::clf_unit_begin(acc, b1, j);
+      for (int64_t k0 = 0; k0 < Hdim; k0 += pad::kHChunk) {
+        const int nk = Hdim - k0 < pad::kHChunk ? static_cast<int>(Hdim - k0) : pad::kHChunk;
+        for (int e = t; e < pad::kTile * pad::kHChunk; e += threads) {  // stage hidden[i0 .., k0 ..] as fp32
+          const int p = e / pad::kHChunk, k = e % pad::kHChunk;
+          h[p][k] = p < np && k < nk ? to_float(hidden[(b * K1 + i0 + p) * Hdim + k0 + k]) : 0.0f;
+        }
+        __syncthreads();
+        if (j < D) pad::clf_unit_chunk(acc, h, nk, w1 + k0 * D, D, j);
+        __syncthreads();
+      }
+      if (j < D) pad::clf_unit_end(part, acc, np, token_prob + b * K + i0, entropy + b * K1 + i0, w1 + Hdim * D, w2, D, j);
+    }
+    for (int p = 0; p < pad::kTile; ++p) red[p][t] = part[p];
     __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-      if (threadIdx.x < stride) red[threadIdx.x] += red[threadIdx.x + stride];
+    for (int stride = threads / 2; stride > 0; stride /= 2) {
+      if (t < stride)
+        for (int p = 0; p < pad::kTile; ++p) red[p][t] += red[p][t + stride];
       __syncthreads();
     }
-    if (threadIdx.x == 0) pivot_prob[b * K + i] = has_clf ? 1.0f / (1.0f + expf(-(red[0] + *b2))) : 1.0f;
+    if (t < np) pivot_prob[b * K + i0 + t] = pad::sigmoid(red[t][0] + *b2);
     __syncthreads();
   }
+  __syncthreads();  // pivot_prob is read by thread 0
 
   // 2. The accepted prefix (one thread: K is small).
-  if (threadIdx.x == 0) {
-    const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms,
-                                      sampling, has_clf, sigma, floor_, rule, entropy, top3_entropy, k_row,
-                                      accepted, pivot_accepted);
-    num_accepted[b] = n;
-    n_shared = n;
-    if (!sampling) next_token[b] = argmax[b * K1 + n];
-  }
-  __syncthreads();
-  if (!sampling) return;
+  if (t != 0) return;
+  const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms, sampling,
+                                    has_clf, sigma, floor_, rule, entropy, top3_entropy,
+                                    pad::row_drafts(num_drafts, b, K), accepted, pivot_accepted);
+  num_accepted[b] = n;
+  if (sampling) races_done[b] = 0;  // kernel 3 counts its finished slices here (stream order: it runs after)
+  else next_token[b] = argmax[b * K1 + n];
+}
 
-  // 3. Sampling: the correction (or bonus) token by a block-wide exponential race over the residual.
-  const int64_t n = n_shared, pos = b * K1 + n;
-  const pad::RowStats s{row_max[pos], row_sum[pos], 0.0f, 0, -INFINITY, -INFINITY};
-  const T* x = logits + pos * V;
-  const float* q = n < k_row ? draft_probs + (b * K + n) * V : nullptr;  // past the row's drafts q is 0
-  const float* e = exponentials + b * V;
-  pad::Race race = pad::race_empty();
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x)
-    pad::race_push(race, pad::row_prob(s, scaled(x, v, temperature)), q ? q[v] : 0.0f, e[v], v);
-  races[threadIdx.x] = race;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) races[threadIdx.x] = pad::race_merge(races[threadIdx.x], races[threadIdx.x + stride]);
-    __syncthreads();
+template <typename T>
+__global__ void __launch_bounds__(kThreads) draw_kernel(
+    const T* __restrict__ logits, const float* draft_probs, const float* exponentials,
+    const int64_t* num_accepted, const int64_t* num_drafts, const pad::RowStats* stats,  // [B, K+1]
+    pad::Race* race_parts,  // [B, S] scratch
+    unsigned* races_done,   // [B], 0 on entry
+    int64_t* next_token, int64_t K, int64_t V, int64_t split_len, float temperature) {
+  __shared__ pad::Race shared[kThreads];
+  __shared__ bool last;
+  const int64_t b = blockIdx.x, sp = blockIdx.y, S = gridDim.y, t = threadIdx.x, threads = blockDim.x;
+  const int64_t n = num_accepted[b], pos = b * (K + 1) + n;
+  const pad::RowStats s = stats[pos];
+  // Past the row's drafts q is 0: the bonus token is drawn from p.
+  const float* q = n < pad::row_drafts(num_drafts, b, K) ? draft_probs + (b * K + n) * V : nullptr;
+  const pad::Race r = block_reduce(
+      shared, pad::thread_race(s, ScaledLogits<T>{logits + pos * V, temperature}, q, exponentials + b * V,
+                               pad::vocab_slice(sp, split_len, V), t, threads),
+      MergeRaces{});
+  if (t == 0) {
+    race_parts[b * S + sp] = r;
+    __threadfence();  // the part is visible to the whole GPU before this block counts itself done
+    last = atomicAdd(races_done + b, 1u) == S - 1;
   }
-  if (threadIdx.x == 0) next_token[b] = pad::race_winner(races[0]);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  pad::Race mine = pad::race_empty();
+  for (int64_t p = t; p < S; p += threads) {  // L2 reads (__ldcg): other blocks wrote these parts
+    const pad::Race* src = race_parts + b * S + p;
+    pad::Race part;
+    part.residual_sum = __ldcg(&src->residual_sum);
+    part.best_r = __ldcg(&src->best_r);
+    part.best_p = __ldcg(&src->best_p);
+    part.arg_r = __ldcg(reinterpret_cast<const long long*>(&src->arg_r));
+    part.arg_p = __ldcg(reinterpret_cast<const long long*>(&src->arg_p));
+    mine = pad::race_merge(mine, part);
+  }
+  const pad::Race all = block_reduce(shared, mine, MergeRaces{});
+  if (t == 0) {
+    next_token[b] = pad::race_winner(all);
+    races_done[b] = 0;
+  }
 }
 
 template <typename T, typename H>
 cudaError_t launch(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
   const T* logits = static_cast<const T*>(a.logits);
   const int64_t K1 = a.K + 1;
-  position_stats_kernel<T><<<a.B * K1, kThreads, 0, stream>>>(logits, a.drafts, a.entropy, a.argmax,
-                                                               a.top3_entropy, a.token_prob, a.row_max, a.row_sum,
-                                                               a.K, a.V, a.temperature);
+  pad_cuda::Scratch s = pad_cuda::scratch_layout(a.scratch, a.B, a.K, a.splits, a.race_splits);
+  if (a.B * K1 == 0) return cudaSuccess;
+  split_stats_kernel<T><<<dim3(a.B * K1, a.splits), kThreads, 0, stream>>>(logits, s.parts, a.V, a.split_len,
+                                                                            a.temperature);
   accept_kernel<T, H><<<a.B, kThreads, 0, stream>>>(
-      logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms,
-      a.exponentials, a.entropy, a.top3_entropy, a.argmax, a.token_prob, a.row_max, a.row_sum, a.pivot_prob,
-      a.accepted, a.pivot_accepted, a.num_accepted, a.next_token, a.K, a.V, a.H, a.D, a.sigma, a.floor_,
+      logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms, s.parts,
+      a.splits, a.entropy, a.top3_entropy, a.argmax, a.token_prob, s.stats, a.pivot_prob, a.accepted,
+      a.pivot_accepted, a.num_accepted, a.next_token, s.races_done, a.K, a.V, a.H, a.D, a.sigma, a.floor_,
       a.temperature, a.rule, a.num_drafts);
+  if (a.temperature > 0.0f)
+    draw_kernel<T><<<dim3(a.B, a.race_splits), kThreads, 0, stream>>>(
+        logits, a.draft_probs, a.exponentials, a.num_accepted, a.num_drafts, s.stats, s.race_parts,
+        s.races_done, a.next_token, a.K, a.V, a.race_split_len, a.temperature);
   return cudaGetLastError();
 }
 
@@ -157,6 +221,7 @@ cudaError_t launch_hidden(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
 namespace pad_cuda {
 
 cudaError_t verify_block(const VerifyArgs& a, cudaStream_t stream) {
+  if (a.splits < 1 || a.splits > 65535 || a.race_splits < 1 || a.race_splits > 65535) return cudaErrorInvalidValue;
   switch (a.logits_dtype) {
     case DType::kFloat32: return launch_hidden<float>(a, stream);
     case DType::kFloat16: return launch_hidden<__half>(a, stream);

@@ -28,7 +28,7 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
                            double rule_b, const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax,
                            at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
                            at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy,
-                           at::Tensor& scratch) {
+                           int64_t splits, int64_t split_len, int64_t race_splits, int64_t race_split_len) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 3 && logits.is_contiguous(),
               "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] on a CUDA device");
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -77,8 +77,17 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
               "pad_kernels cuda verify_block: num_drafts must be contiguous int64 [B] on CUDA");
   a.num_drafts = num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr;
   a.rule = pad::Rule{static_cast<int>(rule), static_cast<float>(rule_a), static_cast<float>(rule_b)};
-  a.row_max = scratch.data_ptr<float>();
-  a.row_sum = a.row_max + B * (K + 1);
+  for (const auto& [S, len] : {std::pair{splits, split_len}, std::pair{race_splits, race_split_len}})
+    TORCH_CHECK(S >= 1 && S <= 65535 && len >= 1 && S * len >= a.V && (S - 1) * len < a.V,
+                "pad_kernels cuda verify_block: the vocabulary must be cut into 1 to 65535 non-empty slices");
+  a.splits = splits;
+  a.split_len = split_len;
+  a.race_splits = race_splits;
+  a.race_split_len = race_split_len;
+  // From torch's caching allocator: no cudaMalloc per block, and graph-private memory under capture.
+  const at::Tensor scratch = at::empty({static_cast<int64_t>(pad_cuda::scratch_bytes(B, K, splits, race_splits))},
+                                       logits.options().dtype(at::kByte));
+  a.scratch = scratch.data_ptr();
   a.sigma = static_cast<float>(sigma);
   a.floor_ = static_cast<float>(floor_);
   a.temperature = static_cast<float>(temperature);

@@ -25,11 +25,39 @@ struct VerifyArgs {
   int64_t *num_accepted, *next_token;                  // [B]
   float* top3_entropy;                                 // [B, K+1]
   const int64_t* num_drafts;                           // [B] or nullptr (every row drafted K)
-  float *row_max, *row_sum;                            // [B, K+1] scratch
+  void* scratch;                                       // scratch_bytes(B, K, splits, race_splits), 8-aligned
   int64_t B, K, V, H, D;
+  int64_t splits, split_len;            // vocabulary slices per position (kernels 1-2), 1 <= splits <= 65535
+  int64_t race_splits, race_split_len;  // slices of the sampling draw (kernel 3)
   float sigma, floor_, temperature;
   pad::Rule rule;
 };
+
+// Threads per block of every kernel: the CPU emulation of the kernels reduces in the same tree.
+constexpr int kThreads = 256;
+
+// The kernels' scratch, carved from one buffer: slice states, each position's merged state, the draw's
+// slice races, and per row the count of finished draw slices.
+struct Scratch {
+  pad::RowStats* parts;   // [B, K+1, splits]
+  pad::RowStats* stats;   // [B, K+1]
+  pad::Race* race_parts;  // [B, race_splits]
+  unsigned* races_done;   // [B]
+};
+
+inline size_t scratch_bytes(int64_t B, int64_t K, int64_t splits, int64_t race_splits) {
+  return sizeof(pad::RowStats) * B * (K + 1) * (splits + 1) + sizeof(pad::Race) * B * race_splits +
+         sizeof(unsigned) * B;
+}
+
+inline Scratch scratch_layout(void* base, int64_t B, int64_t K, int64_t splits, int64_t race_splits) {
+  Scratch s;
+  s.parts = static_cast<pad::RowStats*>(base);
+  s.stats = s.parts + B * (K + 1) * splits;
+  s.race_parts = reinterpret_cast<pad::Race*>(s.stats + B * (K + 1));
+  s.races_done = reinterpret_cast<unsigned*>(s.race_parts + B * race_splits);
+  return s;
+}
 
 cudaError_t verify_block(const VerifyArgs& args, cudaStream_t stream);
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..splits import sm_count, split_plan
 from ..types import AcceptRule, FoldedClassifier, VerifyResult, empty_result
 
 MIN_EXPONENTIAL = tl.constexpr(1e-30)  # as the reference: an exponential draw of 0 must not make 0/0
@@ -307,27 +308,6 @@ def launch_config(K: int, V: int, H: int, D: int) -> dict:
     )
 
 
-# Programs of the stats kernel to aim for per streaming multiprocessor: each keeps one chunk of logits in
-# flight, so an SM needs several at once to hide the loads' latency (8 fit at once on sm_90: 56 registers
-# x 128 threads each; ``bench/perf_model.py``).
-PROGRAMS_PER_SM = 8
-MIN_SPLIT = 1024  # logits per slice at least: smaller slices cost more in the merge than they save
-
-
-def split_plan(positions: int, V: int, sm_count: int | None, splits: int | None = None) -> tuple[int, int, int]:
-    """(S, split_len, BLOCK_V): the vocabulary cut into S slices of ``split_len`` logits so that
-    ``positions`` x S programs fill ``sm_count`` multiprocessors (S = 1 when the positions alone do, or
-    without a GPU); ``splits`` asks for a count instead (tests). The last slice may be shorter."""
-    if splits is None:
-        want = 1 if not sm_count else -(-PROGRAMS_PER_SM * sm_count // max(positions, 1))
-        splits = max(1, min(want, V // MIN_SPLIT))
-    if splits < 1:
-        raise ValueError(f"splits must be at least 1, got {splits}")
-    split_len = -(-V // splits) if V else 1
-    S = max(1, -(-V // split_len))  # asking for more slices than logits gives one logit each
-    return S, split_len, min(1024, triton.next_power_of_2(split_len))
-
-
 def verify_block_triton(
     target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
     draft_tokens: torch.Tensor,  # [B, K] int64
@@ -353,8 +333,8 @@ def verify_block_triton(
     out = out if out is not None else empty_result(B, K, dev)
     logits = target_logits.contiguous()
     drafts = draft_tokens.contiguous()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
-    S, split_len, block_v = split_plan(B * K1, V, sms, splits)
+    S, split_len = split_plan(B * K1, V, sm_count(dev), splits)
+    block_v = min(1024, triton.next_power_of_2(split_len))
     part = torch.empty(B * K1 * S * 5, dtype=torch.float32, device=dev)
     part_arg = torch.empty(B * K1 * S, dtype=torch.int64, device=dev)
     sampling = temperature > 0

@@ -50,14 +50,14 @@ PAD_HD float exp_nonpositive(float x) {
 
 // Online softmax state of one position's (temperature-scaled) logits x_v.
 struct RowStats {
-  float max;       // running max of x
-  float sum;       // sum of exp(x - max)
-  float sum_dexp;  // sum of exp(x - max) * (x - max) over finite x (<= 0): entropy = log(sum) - sum_dexp / sum
+  double sum;      // sum of exp(x - max); fp64, as the CPU's chunk sums: a tree of fp32 adds near 1 lost 2 ulps of p
   int64_t argmax;  // lowest index attaining max (-1 while empty)
+  float max;       // running max of x
+  float sum_dexp;  // sum of exp(x - max) * (x - max) over finite x (<= 0): entropy = log(sum) - sum_dexp / sum
   float second, third;  // the next two largest x (a tie with max counts as one of them); -inf while absent
 };
 
-PAD_HD RowStats row_empty() { return RowStats{-INFINITY, 0.0f, 0.0f, -1, -INFINITY, -INFINITY}; }
+PAD_HD RowStats row_empty() { return RowStats{0.0, -1, -INFINITY, 0.0f, -INFINITY, -INFINITY}; }
 
 // Keep the three largest of (top0 >= top1 >= top2) and x; NaN never enters.
 PAD_HD void top3_push(float& top0, float& top1, float& top2, float x) {
@@ -83,26 +83,10 @@ PAD_HD void row_rescale(RowStats& s, float new_max) {
   } else {
     const float delta = new_max - s.max;  // every x - max term shrinks by delta
     const float scale = exp_nonpositive(-delta);
-    s.sum_dexp = scale * (s.sum_dexp - delta * s.sum);
+    s.sum_dexp = scale * (s.sum_dexp - delta * static_cast<float>(s.sum));
     s.sum *= scale;
   }
   s.max = new_max;
-}
-
-// Add one logit x at vocabulary index v; indices must arrive in increasing order for the tie rule.
-PAD_HD void row_push(RowStats& s, float x, int64_t v) {
-  float top0 = s.max;  // the max itself moves by row_rescale below
-  top3_push(top0, s.second, s.third, x);
-  if (x > s.max) {
-    row_rescale(s, x);
-    s.argmax = v;
-  } else if (s.argmax < 0) {
-    s.argmax = v;  // first element, or -inf/NaN so far: keep an index so argmax is always valid
-  }
-  // -inf logits hold no mass (and -inf - -inf would be NaN); NaN and +inf propagate into the sums.
-  const float e = exp_nonpositive(x == -INFINITY ? -INFINITY : x - s.max);
-  s.sum += e;
-  s.sum_dexp += x == -INFINITY ? 0.0f : e * (x - s.max);
 }
 
 // Merge two states of disjoint index ranges (either order); ties keep the lower index.
@@ -119,19 +103,20 @@ PAD_HD RowStats row_merge(RowStats a, RowStats b) {
   top3_push(top0, top1, top2, b.third);
   row_rescale(a, m);
   row_rescale(b, m);
-  return RowStats{m, a.sum + b.sum, a.sum_dexp + b.sum_dexp, arg, top1, top2};
+  return RowStats{a.sum + b.sum, arg, m, a.sum_dexp + b.sum_dexp, top1, top2};
 }
 
 // Natural-log entropy; non-finite when the logits were (a row of only -inf gives -inf, as the reference).
 PAD_HD float row_entropy(const RowStats& s) {
-  if (s.sum == 0.0f) return -INFINITY;
-  return logf(s.sum) - s.sum_dexp / s.sum;
+  const float sum = static_cast<float>(s.sum);
+  if (sum == 0.0f) return -INFINITY;
+  return logf(sum) - s.sum_dexp / sum;
 }
 
 // -sum p log p over the three largest probabilities of the full softmax (FLy's gate); zero mass adds 0.
 PAD_HD float row_top3_entropy(const RowStats& s) {
   if (!(s.sum > 0.0f)) return s.sum != s.sum ? s.sum : 0.0f;  // NaN stays NaN; no mass: 0, as the reference
-  const float log_sum = logf(s.sum);
+  const float log_sum = logf(static_cast<float>(s.sum));
   const float top[3] = {s.max, s.second, s.third};
   float h = 0.0f;
   for (int j = 0; j < 3; ++j) {
@@ -148,7 +133,7 @@ PAD_HD bool in_vocab(int64_t d, int64_t V) { return d >= 0 && d < V; }
 
 // p(v) for a logit x of this position.
 PAD_HD float row_prob(const RowStats& s, float x) {
-  return x == -INFINITY ? 0.0f : exp_nonpositive(x - s.max) / s.sum;
+  return x == -INFINITY ? 0.0f : exp_nonpositive(x - s.max) / static_cast<float>(s.sum);
 }
 
 // Folded pivot classifier on one position: sigmoid(w2 . relu(W1^T [h; f] + b1) + b2).
@@ -271,5 +256,115 @@ PAD_HD Race race_merge(Race a, Race b) {  // a holds the lower indices
 }
 
 PAD_HD int64_t race_winner(const Race& r) { return r.residual_sum > 0.0f ? r.arg_r : r.arg_p; }
+
+// ---- The CUDA backend's work per thread (csrc/cuda/verify_block.cu), also run on the CPU by
+// emulate_cuda_verify (csrc/cpu/emulate_cuda.cpp) in the same order, so tests check the GPU's arithmetic.
+// A thread block of T threads (T a power of 2) reduces one value per thread as a tree: thread t takes
+// t + stride for stride = T/2, T/4, ..., 1.
+
+// Slice sp of the vocabulary when it is cut into slices of split_len logits: [lo, hi), maybe empty.
+struct Slice {
+  int64_t lo, hi;
+};
+
+PAD_HD Slice vocab_slice(int64_t sp, int64_t split_len, int64_t V) {
+  const int64_t lo = sp * split_len < V ? sp * split_len : V;
+  return Slice{lo, lo + split_len < V ? lo + split_len : V};
+}
+
+// Thread t of T over a slice: logits lo + t, lo + t + T, ... (x_at(v): the scaled logit v), kGroup at a
+// time: the group's max first, so the running sums are rescaled at most once per group (each rescale
+// rounds; one per logit cost the GPU path 4 ulps of p_target), and kGroup loads are in flight at once.
+constexpr int kGroup = 8;
+
+template <typename Load>
+PAD_HD RowStats thread_row_stats(Load x_at, Slice s, int64_t t, int64_t T) {
+  RowStats r = row_empty();
+  for (int64_t v0 = s.lo + t; v0 < s.hi; v0 += kGroup * T) {
+    float x[kGroup];
+    for (int g = 0; g < kGroup; ++g) x[g] = v0 + g * T < s.hi ? x_at(v0 + g * T) : -INFINITY;
+    float top0 = r.max, gmax = -INFINITY;
+    int64_t garg = -1;
+    for (int g = 0; g < kGroup; ++g) {
+      top3_push(top0, r.second, r.third, x[g]);
+      if (x[g] > gmax) {
+        gmax = x[g];
+        garg = v0 + g * T;
+      }
+    }
+    // The argmax: the first index of a new maximum, or the group's first index while the row holds only
+    // -inf (or NaN) so far, as torch's argmax.
+    if (gmax > r.max) {
+      row_rescale(r, gmax);
+      r.argmax = garg;
+    } else if (r.argmax < 0) {
+      r.argmax = v0;
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      const float e = exp_nonpositive(x[g] == -INFINITY ? -INFINITY : x[g] - r.max);
+      r.sum += e;
+      r.sum_dexp += x[g] == -INFINITY ? 0.0f : e * (x[g] - r.max);
+    }
+  }
+  return r;
+}
+
+// Thread t of T over the S slice states of one position: slices t, t + T, ...
+PAD_HD RowStats thread_slice_stats(const RowStats* parts, int64_t S, int64_t t, int64_t T) {
+  RowStats r = row_empty();
+  for (int64_t sp = t; sp < S; sp += T) r = row_merge(r, parts[sp]);
+  return r;
+}
+
+// Thread t of T's part of the exponential race over a slice of one position (stats: its merged softmax
+// state; q: the draft's probabilities there, nullptr for 0; e: the exponential draws of the row).
+template <typename Load>
+PAD_HD Race thread_race(const RowStats& stats, Load x_at, const float* q, const float* e, Slice s, int64_t t,
+                        int64_t T) {
+  Race r = race_empty();
+  for (int64_t v = s.lo + t; v < s.hi; v += T) race_push(r, row_prob(stats, x_at(v)), q ? q[v] : 0.0f, e[v], v);
+  return r;
+}
+
+// Thread t of T over the S slices' races of one row (race_merge decides ties by index, so any order).
+PAD_HD Race thread_slice_races(const Race* parts, int64_t S, int64_t t, int64_t T) {
+  Race r = race_empty();
+  for (int64_t sp = t; sp < S; sp += T) r = race_merge(r, parts[sp]);
+  return r;
+}
+
+// The classifier over a tile of up to kTile positions: thread t owns hidden units j = t, t + T, ... and
+// reads each weight of W1 once per tile (not once per position). For one unit j:
+//   clf_unit_begin   acc[p] = b1[j]
+//   clf_unit_chunk   acc[p] += h[p][k] * W1[k0 + k, j] for the kHChunk hidden elements staged in h
+//   clf_unit_end     part[p] += w2[j] * relu(acc[p] + p_target * W1[H, j] + entropy * W1[H + 1, j])
+// then part[p] is summed over the threads as a tree; the same sums as pivot_prob in another order.
+constexpr int kTile = 16;
+constexpr int kHChunk = 32;
+
+PAD_HD void clf_unit_begin(float* acc, const float* b1, int64_t j) {
+  for (int p = 0; p < kTile; ++p) acc[p] = b1[j];
+}
+
+PAD_HD void clf_unit_chunk(float* acc, const float (*h)[kHChunk], int nk, const float* w1_chunk, int64_t D,
+                           int64_t j) {  // w1_chunk = W1 + k0 * D
+  for (int k = 0; k < nk; ++k) {
+    const float w = w1_chunk[k * D + j];
+    for (int p = 0; p < kTile; ++p) acc[p] += h[p][k] * w;
+  }
+}
+
+PAD_HD void clf_unit_end(float* part, const float* acc, int np, const float* p_target, const float* entropy,
+                         const float* w1_features, const float* w2, int64_t D, int64_t j) {  // w1_features = W1 + H * D
+  for (int p = 0; p < kTile; ++p) {  // a constant trip count keeps acc and part in registers on the GPU
+    if (p >= np) continue;
+    float a = acc[p];
+    a += p_target[p] * w1_features[j];
+    a += entropy[p] * w1_features[D + j];
+    part[p] += w2[j] * fmaxf(a, 0.0f);
+  }
+}
+
+PAD_HD float sigmoid(float score) { return 1.0f / (1.0f + expf(-score)); }
 
 }  // namespace pad
