@@ -1,4 +1,5 @@
 """Fused verification op for speculative decoding: one call per block (see ``verify_block``)."""
+from .graph import VerifyGraph
 from .types import FEATURE_NAMES, RULES, AcceptRule, FoldedClassifier, VerifyResult, Workspace
 from .verify import BACKEND_NAMES, available_backends, resolve_backend, verify_block
 from .verify_ref import verify_block_ref
@@ -9,6 +10,7 @@ __all__ = [
     "FEATURE_NAMES",
     "FoldedClassifier",
     "RULES",
+    "VerifyGraph",
     "VerifyResult",
     "Workspace",
     "available_backends",

@@ -1,4 +1,4 @@
-"""Triton backend of ``verify_block``: two kernels per block.
+"""Triton backend of ``verify_block``: two kernels per block, three when sampling.
 
 1. ``_split_stats_kernel``, one program per (row, position, vocabulary slice), flash-decoding's split: an
    online softmax over its slice in chunks (running max, sum of exp, sum of exp * (x - max), argmax with
@@ -9,9 +9,11 @@
    each position exactly (as a tree; a tie of the maximum keeps the lowest index), which gives the entropy,
    the top-3 entropy, the argmax and ``p_target(d_i)`` (one logit read); the folded classifier runs on the
    row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted prefix (exact
-   rule, classifier, or the training-free rule: typical, threshold, fly), and the next token: the argmax at
-   the first rejection (greedy), or an exponential race over the residual ``max(0, p - q)`` (sampling), a
-   second pass over that one position's vocabulary.
+   rule, classifier, or the training-free rule: typical, threshold, fly), and, greedy, the next token: the
+   argmax at the first rejection.
+3. ``_draw_kernel`` (sampling), one program per (row, vocabulary slice): the exponential race over the
+   residual ``max(0, p - q)`` at the row's first rejection, split like kernel 1; the last program of a row
+   to finish merges the slices' winners.
 All arithmetic is fp32 whatever the logits' dtype. Tested on the CPU with ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -136,6 +138,8 @@ def _accept_kernel(
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
     part_ptr, part_arg_ptr,  # [B, K+1, S, 5], [B, K+1, S] from _split_stats_kernel
+    row_ms_ptr,  # [B, 2] fp32 out (sampling): softmax max and sum at the row's first rejection, for _draw_kernel
+    done_ptr,  # [B] int32 out (sampling): zeroed here, counts _draw_kernel's finished slices
     entropy_ptr, top3_ptr,  # [B, K+1] fp32 out
     argmax_ptr,  # [B, K+1] int64 out
     token_prob_ptr,  # [B, K] fp32 out
@@ -152,7 +156,7 @@ def _accept_kernel(
     HAS_ND: tl.constexpr,  # rows have their own draft lengths
     KP: tl.constexpr,  # power of 2 >= max(K + 1, 16): tl.dot needs 16 rows
     SPC: tl.constexpr,  # vocabulary slices merged at once
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     K1 = K + 1
@@ -258,42 +262,105 @@ def _accept_kernel(
     tl.store(pivot_accepted_ptr + b * K + ks, (accepted & ~exact).to(tl.int1), mask=kmask)
     tl.store(num_accepted_ptr + b, n.to(tl.int64))
 
-    # 3. The correction token at the first rejection, or the bonus token after K accepted.
+    # 3. The correction token at the first rejection, or the bonus token after K accepted: the argmax there
+    # (greedy), or _draw_kernel's race, which needs that position's softmax max and sum (sampling).
     if SAMPLING:
-        pos = b * K1 + n
-        mx = tl.sum(tl.where(ks == n, m, 0.0), axis=0)
-        sm = tl.sum(tl.where(ks == n, s, 0.0), axis=0)
-        row = logits_ptr + pos.to(tl.int64) * V
-        qrow = draft_probs_ptr + (b * K + n).to(tl.int64) * V
-        erow = exponentials_ptr + b.to(tl.int64) * V
-        offs = tl.arange(0, BLOCK_V)
+        tl.store(row_ms_ptr + b * 2, tl.sum(tl.where(ks == n, m, 0.0), axis=0))
+        tl.store(row_ms_ptr + b * 2 + 1, tl.sum(tl.where(ks == n, s, 0.0), axis=0))
+        tl.store(done_ptr + b, 0)
+    else:
+        tl.store(next_token_ptr + b, tl.sum(tl.where(ks == n, arg, 0), axis=0))
+
+
+@triton.jit
+def _draw_kernel(
+    logits_ptr,  # [B, K+1, V]
+    draft_probs_ptr,  # [B, K, V] fp32
+    exponentials_ptr,  # [B, V] fp32
+    num_accepted_ptr,  # [B] int64 from _accept_kernel
+    num_drafts_ptr,  # [B] int64 (HAS_ND)
+    row_ms_ptr,  # [B, 2] fp32 from _accept_kernel
+    race_ptr,  # [B, S, 3] fp32 scratch: per slice the residual's sum and the two races' best keys
+    race_arg_ptr,  # [B, S, 2] int64 scratch: the two races' winners
+    done_ptr,  # [B] int32, 0 on entry (and on exit)
+    next_token_ptr,  # [B] int64 out
+    K, V, split_len, S, temperature,
+    HAS_ND: tl.constexpr, BLOCK_V: tl.constexpr,
+    SPC: tl.constexpr,  # slices merged at once
+):
+    """Program (row, slice): the exponential race over the residual max(0, p - q) (and over p, the fallback
+    when the residual is all zero) on its slice of the vocabulary at the row's first rejection; the row's
+    last program to finish merges the S slices (the best key, the lowest index on ties)."""
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = tl.load(num_accepted_ptr + b)
+    k_row = K
+    if HAS_ND:
+        k_row = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
+    mx = tl.load(row_ms_ptr + b * 2)
+    sm = tl.load(row_ms_ptr + b * 2 + 1)
+    row = logits_ptr + (b * (K + 1) + n).to(tl.int64) * V
+    qrow = draft_probs_ptr + (b * K + n).to(tl.int64) * V
+    erow = exponentials_ptr + b.to(tl.int64) * V
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, V)
+    offs = tl.arange(0, BLOCK_V)
+    rsum = tl.zeros((), tl.float32)
+    best_r = tl.full((), -1.0, tl.float32)
+    best_p = tl.full((), -1.0, tl.float32)
+    arg_r = tl.zeros((), tl.int64)
+    arg_p = tl.zeros((), tl.int64)
+    for c0 in range(lo, hi, BLOCK_V):
+        idx = c0 + offs
+        vmask = idx < hi
+        x = tl.load(row + idx, mask=vmask, other=float("-inf")).to(tl.float32) / temperature
+        p = tl.where(x == float("-inf"), 0.0, tl.exp(x - mx) / sm)
+        q = tl.load(qrow + idx, mask=vmask & (n < k_row), other=0.0)  # past the row's drafts q is 0: bonus
+        e = tl.maximum(tl.load(erow + idx, mask=vmask, other=1.0), MIN_EXPONENTIAL)
+        r = tl.maximum(p - q, 0.0)
+        rsum += tl.sum(tl.where(vmask, r, 0.0), axis=0)
+        kr = tl.where(vmask, r / e, -1.0)
+        kp = tl.where(vmask, p / e, -1.0)
+        cr = tl.max(kr, axis=0)
+        cp = tl.max(kp, axis=0)
+        ar = tl.argmax(kr, axis=0, tie_break_left=True).to(tl.int64) + c0
+        ap = tl.argmax(kp, axis=0, tie_break_left=True).to(tl.int64) + c0
+        arg_r = tl.where(cr > best_r, ar, arg_r)
+        best_r = tl.maximum(cr, best_r)
+        arg_p = tl.where(cp > best_p, ap, arg_p)
+        best_p = tl.maximum(cp, best_p)
+    at = b.to(tl.int64) * S + sp
+    tl.store(race_ptr + at * 3, rsum)
+    tl.store(race_ptr + at * 3 + 1, best_r)
+    tl.store(race_ptr + at * 3 + 2, best_p)
+    tl.store(race_arg_ptr + at * 2, arg_r)
+    tl.store(race_arg_ptr + at * 2 + 1, arg_p)
+    tl.debug_barrier()  # every thread's stores precede the count (release by the atomic below)
+    if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == S - 1:
+        # The last of the row's S programs: every part is written. Slices in order, so among equal keys
+        # the first slice's (whose index is the lowest) wins.
+        cs = tl.arange(0, SPC)
         rsum = tl.zeros((), tl.float32)
         best_r = tl.full((), -1.0, tl.float32)
         best_p = tl.full((), -1.0, tl.float32)
-        arg_r = tl.zeros((), tl.int64)
-        arg_p = tl.zeros((), tl.int64)
-        for c0 in range(0, V, BLOCK_V):
-            idx = c0 + offs
-            vmask = idx < V
-            x = tl.load(row + idx, mask=vmask, other=float("-inf")).to(tl.float32) / temperature
-            p = tl.where(x == float("-inf"), 0.0, tl.exp(x - mx) / sm)
-            q = tl.load(qrow + idx, mask=vmask & (n < k_row), other=0.0)  # past the row's drafts q is 0: bonus
-            e = tl.maximum(tl.load(erow + idx, mask=vmask, other=1.0), MIN_EXPONENTIAL)
-            r = tl.maximum(p - q, 0.0)
-            rsum += tl.sum(tl.where(vmask, r, 0.0), axis=0)
-            kr = tl.where(vmask, r / e, -1.0)
-            kp = tl.where(vmask, p / e, -1.0)
+        for c0 in range(0, S, SPC):
+            cmask = c0 + cs < S
+            ix = b.to(tl.int64) * S + c0 + cs
+            rsum += tl.sum(tl.load(race_ptr + ix * 3, mask=cmask, other=0.0, volatile=True), axis=0)
+            kr = tl.load(race_ptr + ix * 3 + 1, mask=cmask, other=-1.0, volatile=True)
+            kp = tl.load(race_ptr + ix * 3 + 2, mask=cmask, other=-1.0, volatile=True)
+            ar = tl.load(race_arg_ptr + ix * 2, mask=cmask, other=0, volatile=True)
+            ap = tl.load(race_arg_ptr + ix * 2 + 1, mask=cmask, other=0, volatile=True)
             cr = tl.max(kr, axis=0)
             cp = tl.max(kp, axis=0)
-            ar = tl.argmax(kr, axis=0, tie_break_left=True).to(tl.int64) + c0
-            ap = tl.argmax(kp, axis=0, tie_break_left=True).to(tl.int64) + c0
-            arg_r = tl.where(cr > best_r, ar, arg_r)
+            wr = tl.sum(tl.where(cs == tl.argmax(kr, axis=0, tie_break_left=True), ar, 0), axis=0)
+            wp = tl.sum(tl.where(cs == tl.argmax(kp, axis=0, tie_break_left=True), ap, 0), axis=0)
+            arg_r = tl.where(cr > best_r, wr, arg_r)
             best_r = tl.maximum(cr, best_r)
-            arg_p = tl.where(cp > best_p, ap, arg_p)
+            arg_p = tl.where(cp > best_p, wp, arg_p)
             best_p = tl.maximum(cp, best_p)
         tl.store(next_token_ptr + b, tl.where(rsum > 0, arg_r, arg_p))
-    else:
-        tl.store(next_token_ptr + b, tl.sum(tl.where(ks == n, arg, 0), axis=0))
+        tl.store(done_ptr + b, 0)
 
 
 def launch_config(K: int, V: int, H: int, D: int) -> dict:
@@ -303,7 +370,6 @@ def launch_config(K: int, V: int, H: int, D: int) -> dict:
         KP=max(16, triton.next_power_of_2(K + 1)),
         BLOCK_H=64 if H >= 64 else 16,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_V=1024,
         SPC=16,
     )
 
@@ -358,8 +424,10 @@ def verify_block_triton(
         ex = exponentials.to(torch.float32).contiguous()
     else:
         dp = un = ex = dummy
+    row_ms = torch.empty(B * 2 if sampling else 1, dtype=torch.float32, device=dev)
+    done = torch.empty(B if sampling else 1, dtype=torch.int32, device=dev)
     _accept_kernel[(B,)](
-        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_arg,
+        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_arg, row_ms, done,
         out.entropy, out.top3_entropy, out.argmax, out.token_prob,
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token,
         K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
@@ -367,4 +435,13 @@ def verify_block_triton(
         num_drafts.contiguous() if num_drafts is not None else dummy,
         HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D),
     )
+    if sampling and B:
+        S_d, len_d = split_plan(B, V, sm_count(dev), splits)  # B positions: one per row
+        race = torch.empty(B * S_d * 3, dtype=torch.float32, device=dev)
+        race_arg = torch.empty(B * S_d * 2, dtype=torch.int64, device=dev)
+        _draw_kernel[(B, S_d)](
+            logits, dp, ex, out.num_accepted, num_drafts.contiguous() if num_drafts is not None else dummy, row_ms,
+            race, race_arg, done, out.next_token, K, V, len_d, S_d, float(temperature),
+            HAS_ND=num_drafts is not None, BLOCK_V=min(1024, triton.next_power_of_2(len_d)), SPC=16,
+        )
     return out
