@@ -12,6 +12,11 @@
 #else
 #define PAD_HD inline __attribute__((always_inline))
 #endif
+#if defined(_OPENMP) && !defined(__CUDACC__)
+#define PAD_SIMD _Pragma("omp simd")  // the CPU build: the loop's iterations are independent (no aliasing)
+#else
+#define PAD_SIMD
+#endif
 
 namespace pad {
 
@@ -145,6 +150,7 @@ PAD_HD float pivot_prob(Load h_at, int64_t H, const float* f, int F, const float
   for (int64_t i = 0; i < H; ++i) {
     const float hi = h_at(i);
     const float* row = w1 + i * D;
+    PAD_SIMD
     for (int64_t j = 0; j < D; ++j) acc[j] += hi * row[j];
   }
   for (int k = 0; k < F; ++k) {
