@@ -337,3 +337,27 @@ def test_vocabulary_split_boundaries(backend, splits):
     assert_matches(got, expected, fp64_truth(logits, drafts), torch.float32)
     got = run_backend(backend, logits, drafts, splits=splits)
     assert_matches(got, expected, fp64_truth(logits, drafts), torch.float32)
+
+
+def _split_cases():
+    """Every shape of the backend tests above, every dtype, greedy and sampling in turn: the CUDA kernels
+    (emulated) with S in {1, 2, 7, 64} each; Triton's covering subset with one S each, in turn (its interpreter
+    runs about 20 ms per program: every S on every shape would add 7 minutes; every S on one shape is
+    ``test_vocabulary_splits_match_reference``, and S = 1 is Triton's default on a CPU, tested above)."""
+    for backend in SPLIT:
+        for d, dtype in enumerate(DTYPES):
+            for n, shape in enumerate(SHAPES if backend != "triton" else TRITON_SHAPES[dtype]):
+                for m, splits in enumerate([1, 2, 7, 64] if backend != "triton" else [[2, 7, 64][(n + d) % 3]]):
+                    sampling = (n + m + d) % 2 == 1
+                    yield pytest.param(backend, splits, sampling, dtype, *shape,
+                                       id=f"{backend}-S{splits}-{'sampling' if sampling else 'greedy'}-{dtype}"
+                                          f"-B{shape[0]}-H{shape[1]}-K{shape[2]}-V{shape[3]}")
+
+
+@pytest.mark.parametrize("backend,splits,sampling,dtype,B,H,K,V", list(_split_cases()))
+def test_every_shape_matches_reference_with_splits(backend, splits, sampling, dtype, B, H, K, V):
+    """The backend tests' shapes with the vocabulary cut into S slices (fresh inputs, outputs poisoned)."""
+    seed = zlib.crc32(repr(("splits", splits, sampling, dtype, V, K, B, H)).encode())
+    args, kwargs = make_case(B, K, V, H, dtype, sampling, seed)
+    expected = verify_block_ref(*args, **kwargs)
+    assert_matches(run_backend(backend, *args, **kwargs, splits=splits), expected, fp64_truth(*args, **kwargs), dtype)
