@@ -7,7 +7,7 @@ speculative decoding pays on a machine (verification feeds K+1 tokens per forwar
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
 With ``--batch``: for each batch size B, a forward over B rows of one token against B rows of ``--tokens``
 (a verification block of K = tokens - 1) after a ``--prefix``-column cache, and what the two ways of
-keeping ragged rows in one cache cost there (``pad/decoder.py``): a copy of the whole cache (unpad and
+keeping ragged rows in one cache cost there (``pad/decoding/decoder.py``): a copy of the whole cache (unpad and
 re-pad every block) and a forward whose cache has half its columns masked out (holes).
 """
 import argparse
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from pad.hf import crop_cache
-from pad.registry import DEFAULT_TARGET, load
+from pad.decoding.hf import crop_cache
+from pad.models.registry import DEFAULT_TARGET, load
 
 
 def main():

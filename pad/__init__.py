@@ -1,11 +1,11 @@
 """pad: Pivot-Aware Speculative Decoding for HuggingFace causal LMs."""
 __version__ = "0.1.0"
 
-from .attention import use_gqa_sdpa
-from .classifier import PivotClassifier
-from .generate import POLICIES, GenerationResult, generate
-from .policy import Policy, parse_policy
-from .stats import GenerationStats
+from .decoding.attention import use_gqa_sdpa
+from .decoding.generate import POLICIES, GenerationResult, generate
+from .decoding.policy import Policy, parse_policy
+from .decoding.stats import GenerationStats
+from .pivots.classifier import PivotClassifier
 
 __all__ = ["POLICIES", "GenerationResult", "GenerationStats", "PivotClassifier", "Policy", "generate", "parse_policy",
            "use_gqa_sdpa", "__version__"]

@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from .generate import POLICIES
-from .registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from .decoding.generate import POLICIES
+from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PROG = "pad-decoding"
@@ -23,8 +23,8 @@ def _set_threads(args) -> None:
 
 def _load_pair(args, need_draft: bool = True):
     """(target, tokenizer, draft) from --target/--draft/--dtype/--threads; the tokenizers must agree."""
-    from .hf import check_tokenizers, shared_vocab_size
-    from .registry import load
+    from .decoding.hf import check_tokenizers, shared_vocab_size
+    from .models.registry import load
 
     _set_threads(args)
     target, tokenizer = load(args.target, dtype=args.dtype)
@@ -46,13 +46,13 @@ def _add_models(parser) -> None:
 def _add_task(parser, split: str) -> None:
     parser.add_argument("--task", required=True, help="gsm8k or humaneval")
     parser.add_argument("--split", default=split)
-    parser.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.tasks)")
+    parser.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.evaluation.tasks)")
 
 
 def _classifier(args):
     """--classifier DIR, else the classifier shipped for --target/--draft; checked against the pair."""
-    from .classifier import PivotClassifier
-    from .registry import shipped_classifier
+    from .models.registry import shipped_classifier
+    from .pivots.classifier import PivotClassifier
 
     clf = PivotClassifier.load(args.classifier or shipped_classifier(args.target, args.draft))
     clf.check_pair(args.target, args.draft, _weights(args))
@@ -60,8 +60,8 @@ def _classifier(args):
 
 
 def _weights(args) -> dict:
-    """Which weights --target and --draft load here (``pad.registry.weights_identity``), fetched if needed."""
-    from .registry import weights_identity
+    """Which weights --target and --draft load here (``pad.models.registry.weights_identity``), fetched if needed."""
+    from .models.registry import weights_identity
 
     if not hasattr(args, "weights"):
         args.weights = {"target": weights_identity(args.target), "draft": weights_identity(args.draft)}
@@ -75,9 +75,8 @@ def _data_checksum(path) -> str:
 
 
 def _generate(args) -> int:
-    from . import generate
-
-    from .policy import parse_policy
+    from .decoding.generate import generate
+    from .decoding.policy import parse_policy
 
     name = parse_policy(args.policy).name if args.policy else None  # a bad policy fails before loading models
     classifier = _classifier(args) if name == "pivot" or args.classifier else None
@@ -109,8 +108,8 @@ def _bench(args) -> int:
     import shlex
     from pathlib import Path
 
-    from . import bench, tasks
-    from .registry import load_tokenizer
+    from .evaluation import bench, tasks
+    from .models.registry import load_tokenizer
 
     specs = bench.parse_policies(args.policies)
     tasks.check_task(args.task)
@@ -149,7 +148,8 @@ def _bench(args) -> int:
 
 
 def _label(args) -> int:
-    from . import label, tasks
+    from .evaluation import tasks
+    from .pivots import label
 
     tasks.check_task(args.task)
     shard = label.parse_shard(args.shard)
@@ -172,7 +172,7 @@ def _label(args) -> int:
     if args.start < 0:
         raise ValueError("--start must be at least 0")
     if args.method == "search":
-        from . import search
+        from .pivots import search
 
         def outcome(tokens, p):
             return tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))
@@ -193,7 +193,7 @@ def _label(args) -> int:
 def _train(args) -> int:
     import shlex
 
-    from . import train
+    from .pivots import train
 
     data, meta = train.load_shards(args.dirs, criterion=args.criterion)
     cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed, model=args.model)
@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")
     lb.add_argument("--method", choices=("rollout", "search"), default="rollout",
                     help="search: follow the text PAD would decode, one greedy continuation per decision, "
-                         "batched across problems (pad.search); rollout: continuations from the target's own "
-                         "greedy text (pad.label)")
+                         "batched across problems (pad.pivots.search); rollout: continuations from the target's own "
+                         "greedy text (pad.pivots.label)")
     lb.add_argument("--batch", type=int, default=16, help="search: continuations decoded together")
     lb.add_argument("--lookahead", type=int, default=4,
                     help="search: tokens guessed per continuation and step from the text it branched from "
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     if getattr(args, "dtype", None) == "auto":
-        from .machine import default_dtype
+        from .evaluation.machine import default_dtype
 
         args.dtype = default_dtype()
     try:

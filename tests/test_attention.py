@@ -1,10 +1,10 @@
-"""pad.attention: the grouped-query SDPA path gives the logits of transformers' sdpa, without repeat_kv."""
+"""pad.decoding.attention: the grouped-query SDPA path gives the logits of transformers' sdpa, without repeat_kv."""
 import copy
 
 import pytest
 import torch
 
-from pad.attention import NAME, use_gqa_sdpa
+from pad.decoding.attention import NAME, use_gqa_sdpa
 from tiny import tiny_model
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pad import bench, tasks
+from pad.evaluation import bench, tasks
 from test_cli import _tokenizer
 from test_generate_pivot import _classifier
 from tiny import tiny_pair

@@ -101,7 +101,7 @@ def test_classifier_for_another_model_pair_is_a_clear_error():
 
 
 def test_a_pair_without_a_shipped_classifier_is_told_so():
-    from pad.registry import DEFAULT_DRAFT, shipped_classifier
+    from pad.models.registry import DEFAULT_DRAFT, shipped_classifier
 
     with pytest.raises(ValueError, match="no classifier ships for target 'gpt2'"):
         shipped_classifier("gpt2", DEFAULT_DRAFT)
@@ -115,8 +115,8 @@ def test_checksum_names_the_weights():
 def test_the_classifier_shipped_for_the_default_pair_loads_and_matches_its_labels():
     from types import SimpleNamespace
 
-    from pad.registry import DEFAULT_DRAFT, DEFAULT_TARGET, REGISTRY, shipped_classifier
-    from pad.train import load_shards
+    from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, REGISTRY, shipped_classifier
+    from pad.pivots.train import load_shards
 
     folder = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)
     clf = PivotClassifier.load(folder)

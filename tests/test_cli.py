@@ -92,7 +92,7 @@ def test_classifier_for_another_pair_is_refused(folders, tmp_path, capsys):
 def test_auto_dtype_is_bf16_only_with_native_bf16(tmp_path, monkeypatch, flags, native):
     import torch
 
-    from pad import machine
+    from pad.evaluation import machine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpuinfo = tmp_path / "cpuinfo"
@@ -104,7 +104,8 @@ def test_auto_dtype_is_bf16_only_with_native_bf16(tmp_path, monkeypatch, flags, 
 
 
 def test_dtype_auto_is_resolved_before_loading(folders, monkeypatch):
-    from pad import machine, registry
+    from pad.evaluation import machine
+    from pad.models import registry
 
     real_load, seen = registry.load, []
     monkeypatch.setattr(registry, "load", lambda name, dtype: seen.append(dtype) or real_load(name, dtype=dtype))
@@ -117,7 +118,7 @@ def test_dtype_auto_is_resolved_before_loading(folders, monkeypatch):
 
 
 def test_bench_table_from_its_run_log_loads_no_weights(folders, tmp_path, monkeypatch, capsys):
-    from pad import registry
+    from pad.models import registry
 
     args = ["bench", "--task", "gsm8k", "--data", SAMPLE, "--limit", "2", "--policies", "target,exact", "-k", "2",
             "--max-new-tokens", "6", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
@@ -134,7 +135,7 @@ def test_bench_table_from_its_run_log_loads_no_weights(folders, tmp_path, monkey
 
 
 def test_label_folder_of_another_prompt_or_utility_is_refused(folders, tmp_path, monkeypatch, capsys):
-    from pad import tasks
+    from pad.evaluation import tasks
 
     argv = ["label", "--task", "gsm8k", "--data", SAMPLE, "--limit", "1", "--max-new-tokens", "4",
             "--max-rollout-tokens", "4", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
@@ -171,7 +172,7 @@ def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folde
     """pad-decoding label --method search writes a folder that train reads, with both criteria."""
     from safetensors.torch import load_file
 
-    from pad import train
+    from pad.pivots import train
 
     out = tmp_path / "search"
     argv = ["label", "--method", "search", "--task", "gsm8k", "--data", SAMPLE, "--limit", "4", "--max-new-tokens",

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from pad.continuations import Continuations, Job
-from pad.hf import eos_ids
+from pad.decoding.hf import eos_ids
+from pad.pivots.continuations import Continuations, Job
 from tiny import greedy_from_scratch, tiny_model
 
 
@@ -91,7 +91,7 @@ def test_bad_lookahead_is_refused(model):
 def test_compaction_only_when_it_narrows_the_cache(model):
     """Left padding of short rows is no reason to compact (no compaction removes it); holes that widen the
     longest row past twice its text are."""
-    from pad.decoder import Decoder, left_pad
+    from pad.decoding.decoder import Decoder, left_pad
 
     dec = Decoder(model, 96, 3)
     ids, fed = left_pad([[1], [2], list(range(3, 43))], "cpu")  # 78 of 120 cells are padding

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pad
-import pad.decoder
+import pad.decoding.decoder
 import pad_kernels.verify_ref as ref
 from test_generate_pivot import _classifier
 from test_sampling_distribution import ALPHA, _p_value, _target_joint, _wrong_residual
@@ -134,7 +134,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.decoders = []
-        real_init, real_forward = pad.decoder.Decoder.__init__, pad.decoder.Decoder.forward
+        real_init, real_forward = pad.decoding.decoder.Decoder.__init__, pad.decoding.decoder.Decoder.forward
 
         def init(dec, model, vocab, rows):
             real_init(dec, model, vocab, rows)
@@ -146,8 +146,8 @@ class Spy:
             dec.spy_tokens = torch.cat([dec.spy_tokens, ids.cpu()], 1)
             return real_forward(dec, ids, fed, keep)
 
-        real_drop, real_select, real_compact = (pad.decoder.Decoder.drop, pad.decoder.Decoder.select,
-                                                pad.decoder.Decoder.compact)
+        real_drop, real_select, real_compact = (pad.decoding.decoder.Decoder.drop, pad.decoding.decoder.Decoder.select,
+                                                pad.decoding.decoder.Decoder.compact)
 
         def select(dec, rows):
             dec.spy_tokens = dec.spy_tokens[rows]
@@ -167,11 +167,11 @@ class Spy:
             real_drop(dec, holes)
             dec.spy_tokens = dec.spy_tokens[:, : dec.valid_host.shape[1]]  # a crop; compaction rewrites it
 
-        monkeypatch.setattr(pad.decoder.Decoder, "__init__", init)
-        monkeypatch.setattr(pad.decoder.Decoder, "forward", forward)
-        monkeypatch.setattr(pad.decoder.Decoder, "select", select)
-        monkeypatch.setattr(pad.decoder.Decoder, "compact", compact)
-        monkeypatch.setattr(pad.decoder.Decoder, "drop", drop)
+        monkeypatch.setattr(pad.decoding.decoder.Decoder, "__init__", init)
+        monkeypatch.setattr(pad.decoding.decoder.Decoder, "forward", forward)
+        monkeypatch.setattr(pad.decoding.decoder.Decoder, "select", select)
+        monkeypatch.setattr(pad.decoding.decoder.Decoder, "compact", compact)
+        monkeypatch.setattr(pad.decoding.decoder.Decoder, "drop", drop)
 
     @staticmethod
     def attended(dec, b):
@@ -182,7 +182,7 @@ class Spy:
 @pytest.mark.parametrize("policy,temperature", [("exact", 0.0), ("exact", 1.0), ("pivot", 0.0)])
 def test_cache_invariant_after_every_block(monkeypatch, policy, temperature, compact_at):
     target, draft = tiny_pair("llama", scale=0.5)
-    monkeypatch.setattr(pad.decoder, "COMPACT_AT", compact_at)  # 0: gather the holes out after every block
+    monkeypatch.setattr(pad.decoding.decoder, "COMPACT_AT", compact_at)  # 0: gather the holes out after every block
     clf = _classifier(target, 1) if policy == "pivot" else None
     spy = Spy(monkeypatch)
     g = torch.Generator().manual_seed(3)
@@ -213,7 +213,7 @@ def test_cache_invariant_after_every_block(monkeypatch, policy, temperature, com
     if compact_at == 0.0:
         assert tgt.compactions > 0 and drf.compactions > 0
         # Gathering the holes out changes no token: the same call without it decodes the same.
-        monkeypatch.setattr(pad.decoder, "COMPACT_AT", 2.0)
+        monkeypatch.setattr(pad.decoding.decoder, "COMPACT_AT", 2.0)
         again = pad.generate(target, draft, ids, attention_mask=mask, policy=policy, classifier=clf, sigma=0.6,
                              num_draft_tokens=4, max_new_tokens=40, temperature=temperature, seed=1)
         assert spy.decoders[-2].compactions == 0 and torch.equal(again.sequences, out.sequences)
@@ -223,7 +223,7 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
     """Per row: the target is fed prompt + committed + rejected drafts, less the newest committed token."""
     target, draft = tiny_pair("llama", scale=0.5)
     fed = {}
-    real_select = pad.decoder.Decoder.select
+    real_select = pad.decoding.decoder.Decoder.select
 
     def select(dec, rows):  # remember what leaving rows were fed
         for j in set(range(len(dec.spy_rows))) - set(rows):
@@ -231,7 +231,7 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
         dec.spy_rows = [dec.spy_rows[j] for j in rows]
         real_select(dec, rows)
 
-    real_init = pad.decoder.Decoder.__init__
+    real_init = pad.decoding.decoder.Decoder.__init__
 
     def init(dec, model, vocab, rows):
         real_init(dec, model, vocab, rows)
@@ -239,15 +239,15 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
         decs.append(dec)
 
     decs, ks = [], []
-    module = importlib.import_module("pad.generate")  # the module (pad.generate is the function)
+    module = importlib.import_module("pad.decoding.generate")  # the module (pad.generate is the function)
     real_verify = module.verify_block
 
     def verify(target_logits, draft_tokens, *args, **kwargs):
         ks.append(draft_tokens.shape[1])  # drafts the target verified for every live row in this block
         return real_verify(target_logits, draft_tokens, *args, **kwargs)
 
-    monkeypatch.setattr(pad.decoder.Decoder, "__init__", init)
-    monkeypatch.setattr(pad.decoder.Decoder, "select", select)
+    monkeypatch.setattr(pad.decoding.decoder.Decoder, "__init__", init)
+    monkeypatch.setattr(pad.decoding.decoder.Decoder, "select", select)
     monkeypatch.setattr(module, "verify_block", verify)
     rows = [[5, 9, 11], [40], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8]]
     ids, mask = _batch(rows)

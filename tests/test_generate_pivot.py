@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pad
-from pad.hf import LayerCapture
+from pad.decoding.hf import LayerCapture
 from pad_kernels import FoldedClassifier, verify_block
 from tiny import tiny_pair
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pad import label
-from pad.tasks import Problem
+from pad.evaluation.tasks import Problem
+from pad.pivots import label
 from tiny import greedy_from_scratch, tiny_pair
 
 CFG = label.LabelConfig(layer=-1, max_new_tokens=14, max_rollout_tokens=6)
@@ -124,7 +124,7 @@ def test_parse_shard():
 
 
 def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup, tmp_path):
-    from pad.hf import eos_ids
+    from pad.decoding.hf import eos_ids
 
     target, draft, problems, prompts = setup
     utility = lambda tokens: sum(tokens[-3:]) % 4 != 0  # noqa: E731
@@ -149,7 +149,7 @@ def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup
 def test_label_features_equal_verify_blocks_own_features(setup, tmp_path):
     """At every labeled position, the stored features are what verify_block computes when the target
     verifies that draft token after that prefix (a fresh forward without cache, as in decoding)."""
-    from pad.hf import LayerCapture, eos_ids
+    from pad.decoding.hf import LayerCapture, eos_ids
     from pad_kernels import verify_block
 
     target, draft, problems, prompts = setup

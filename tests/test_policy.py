@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import pad
-from pad import bench
-from pad.policy import Policy, parse_policy
+from pad.decoding.policy import Policy, parse_policy
+from pad.evaluation import bench
 from pad_kernels import AcceptRule
 from tiny import tiny_pair
 
@@ -93,11 +93,11 @@ def test_sampling_rules_run_batched(pair):
 def test_exact_with_draft_stop_is_the_target_greedy_output(pair, batch, monkeypatch):
     import importlib
 
-    from pad.decoder import left_padded
+    from pad.decoding.decoder import left_padded
     from tiny import greedy_from_scratch
 
     target, draft = pair
-    gen_module = importlib.import_module("pad.generate")  # the module, not the function pad.generate
+    gen_module = importlib.import_module("pad.decoding.generate")  # the module, not the function pad.generate
     lengths, real = [], gen_module.verify_block
 
     def spy(*args, **kwargs):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pad import registry
+from pad.models import registry
 
 
 def _parts(tmp_path, data: bytes, parts: int, package="fake-part", version="1.0"):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pad.rollout import Start, continue_batch
+from pad.pivots.rollout import Start, continue_batch
 from tiny import ARCHS, greedy_from_scratch, tiny_model
 
 

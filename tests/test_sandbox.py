@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pad import sandbox, tasks
+from pad.evaluation import sandbox, tasks
 
 PROBLEM = tasks.Problem(id="test/0", question="def one():\n", reference="def check(fn):\n    assert fn() == 1\n",
                         entry_point="one")

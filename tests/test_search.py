@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pad import search
-from pad.hf import LayerCapture, eos_ids
-from pad.tasks import Problem
+from pad.decoding.hf import LayerCapture, eos_ids
+from pad.evaluation.tasks import Problem
+from pad.pivots import search
 from pad_kernels import verify_block
 from tiny import greedy_from_scratch, tiny_pair
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pad import tasks
+from pad.evaluation import tasks
 
 DATA = Path(__file__).parent / "data"
 
@@ -106,7 +106,7 @@ def test_packaged_data_is_pinned_cached_and_cut(tmp_path, monkeypatch):
     import hashlib
     import zipfile
 
-    from pad import registry
+    from pad.models import registry
 
     member = "pkg/data/x.jsonl.gz"
     lines = [json.dumps({"task_id": f"T/{i}"}) + "\n" for i in range(5)]

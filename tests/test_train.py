@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import pad
-from pad import label, train
 from pad.cli import main
+from pad.pivots import label, train
 
 
 def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a"):

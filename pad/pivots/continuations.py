@@ -28,8 +28,8 @@ import torch
 
 from pad_kernels import verify_block
 
-from .decoder import Decoder, left_pad
-from .hf import LayerCapture
+from ..decoding.decoder import Decoder, left_pad
+from ..decoding.hf import LayerCapture
 
 
 @dataclass

@@ -57,7 +57,7 @@ class PivotClassifier(nn.Module):
         self.target_model = target_model
         self.draft_model = draft_model
         # {"target": identity, "draft": identity} of the weights its labels were made with (see
-        # pad.registry.weights_identity); None when unknown.
+        # pad.models.registry.weights_identity); None when unknown.
         self.weights = dict(weights) if weights else None
         self.kind = kind
         num_features = len(self.feature_names)
@@ -162,7 +162,7 @@ class PivotClassifier(nn.Module):
         Names compare by their last path component, case-insensitively, so that a registry name, a hub id
         and a local folder of the same model agree; a classifier without recorded names accepts any.
         """
-        from .registry import check_weights
+        from ..models.registry import check_weights
 
         check_weights(self.weights or {}, weights or {}, "this classifier's training data")
         for role, mine, given in (("target", self.target_model, target_name), ("draft", self.draft_model, draft_name)):

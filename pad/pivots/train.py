@@ -50,7 +50,7 @@ def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
 
     A problem labeled in more than one folder is taken from the first, so no position counts twice.
     Folders of the search method keep both outcomes of each decision; ``criterion`` picks the label
-    (``pad.search.pivot_labels``).
+    (``pad.pivots.search.pivot_labels``).
     """
     from .search import pivot_labels
 

@@ -12,7 +12,7 @@ import torch
 from pad_kernels import AcceptRule, FoldedClassifier, Workspace, verify_block
 from pad_kernels.verify import check_rule
 
-from .classifier import PivotClassifier
+from ..pivots.classifier import PivotClassifier
 from .decoder import Decoder, left_pad
 from .hf import LayerCapture, eos_ids, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
@@ -144,7 +144,7 @@ def generate(
     policy: ``"target"`` (target alone), ``"draft"`` (draft alone), ``"exact"`` (standard speculative
     decoding, output distributed exactly as the target's), ``"pivot"`` or ``"pivot@SIGMA"`` (also accept a
     rejected draft token when ``pivot_prob <= sigma`` and ``p_target(token) >= floor``), or a training-free
-    relaxation: ``"typical@EPSILON,DELTA"``, ``"threshold@TAU"``, ``"fly@GATE,WINDOW"`` (``pad.policy``; a
+    relaxation: ``"typical@EPSILON,DELTA"``, ``"threshold@TAU"``, ``"fly@GATE,WINDOW"`` (``pad.decoding.policy``; a
     parsed ``pad.Policy`` works too); None means ``"pivot"`` when a classifier is given, else ``"exact"``.
     classifier: a ``PivotClassifier`` or the folder it was saved to.
     temperature 0 is greedy; > 0 samples (with top_p), reproducibly when ``seed`` is set.

@@ -68,7 +68,7 @@ def log(message: str) -> None:
 
 def shipped_classifier(target: str, draft: str) -> Path:
     """The folder of the classifier shipped for this pair; raises ValueError if there is none."""
-    folder = Path(__file__).parent / "classifiers" / CLASSIFIERS.get((target, draft), "-")
+    folder = Path(__file__).parent.parent / "classifiers" / CLASSIFIERS.get((target, draft), "-")
     if not (folder / "config.json").is_file():
         raise ValueError(f"no classifier ships for target {target!r} and draft {draft!r}; pass --classifier DIR, "
                          "trained for this pair with pad-decoding label and pad-decoding train")
@@ -278,11 +278,11 @@ def _tokenizer_at(path: str, name: str):
 
 def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
     """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory, on the
-    grouped-query SDPA attention of ``pad.attention`` when it runs on ``sdpa``."""
+    grouped-query SDPA attention of ``pad.decoding.attention`` when it runs on ``sdpa``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .attention import use_gqa_sdpa
+    from ..decoding.attention import use_gqa_sdpa
 
     path = resolve(name, cache=cache)
     tokenizer = _tokenizer_at(path, name)

@@ -13,7 +13,7 @@ With ``only_draft_wrong`` a problem is labeled only when the draft decoding alon
 target's cost) answers it wrong: where both models are right a deviation rarely changes the answer, so
 this spends the rollouts where pivots can be. The other problems get an index line with no records.
 
-Continuations run as one batch over the decoded text's cache (``pad.rollout.continue_batch``).
+Continuations run as one batch over the decoded text's cache (``pad.pivots.rollout.continue_batch``).
 
 With success rates ``r_draft`` and ``r_target``: the draft token is a pivot when ``r_draft < r_target *
 ratio``, a clear non-pivot when ``r_draft >= keep``; positions with ``r_target == 0`` or in between are
@@ -32,11 +32,11 @@ from typing import Callable
 
 import torch
 
-from . import jsonl
-from .decoder import left_padded
-from .generate import generate
-from .hf import LayerCapture, decoder_layer, eos_ids, forward_tail, shared_vocab_size
-from .registry import check_weights
+from ..decoding.decoder import left_padded
+from ..decoding.generate import generate
+from ..decoding.hf import LayerCapture, decoder_layer, eos_ids, forward_tail, shared_vocab_size
+from ..evaluation import jsonl
+from ..models.registry import check_weights
 from .rollout import Start, continue_batch
 
 @dataclass
@@ -95,7 +95,7 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
                   cfg: LabelConfig, rollout_batch: int = 16, decoded: tuple | None = None) -> dict[str, torch.Tensor]:
     """Labeled positions of one problem as tensors (see the module docstring); prompt_ids [1, P].
 
-    Rollouts run ``rollout_batch`` at a time over the decoded text's own cache (``pad.rollout``).
+    Rollouts run ``rollout_batch`` at a time over the decoded text's own cache (``pad.pivots.rollout``).
     ``decoded``: (the target's greedy text, the draft's or None) when already decoded (``greedy_texts``).
     """
     vocab = shared_vocab_size(target, draft)

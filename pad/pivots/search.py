@@ -12,12 +12,12 @@ draft token, the target entropy; the draft's own probability and entropy), and b
 correct before and after), so that either criterion can be trained from one run. Problems the target
 answers wrong are labeled too.
 
-The continuations of many problems run as rows of one batch (``pad.continuations``): a problem's next
+The continuations of many problems run as rows of one batch (``pad.pivots.continuations``): a problem's next
 decision joins as soon as its last one finished, from the cache of its current text (never prefilled
 again). The draft's teacher-forced pass over a text is cached per problem too and runs only as far as the
 next mismatch (``DRAFT_CHUNK`` positions at a time): after a harmless decision at position t it is fed the
 new text from t on. Finished problems are written as the rollout labeler
-writes them (``pad.label.LabelWriter``). A problem in flight is saved after each of its decisions
+writes them (``pad.pivots.label.LabelWriter``). A problem in flight is saved after each of its decisions
 (``partial/``: its current text, next position and records so far), so an interruption loses at most the
 continuations running at that moment; a resumed problem prefills its text once and goes on.
 """
@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
+from ..decoding.hf import crop_cache, decoder_layer, eos_ids, forward_tail, shared_vocab_size
 from .continuations import Continuations, Job
-from .hf import crop_cache, decoder_layer, eos_ids, forward_tail, shared_vocab_size
 from .label import LabelWriter, softmax_stats
 
 CRITERIA = ("same-answer", "correct")

@@ -1,0 +1,1 @@
+"""Decoding: the speculative decode loop, its policies, statistics and the HuggingFace glue it needs."""

@@ -1,0 +1,1 @@
+"""Evaluation: tasks and their scoring, the code sandbox, the end-to-end benchmark."""

@@ -1,0 +1,1 @@
+"""Models: which weights the default pair loads, where from, and the shipped classifiers."""

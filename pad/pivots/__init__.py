@@ -1,0 +1,1 @@
+"""Pivot labels and the pivot classifier: labeling (rollout and search), continuations, training."""
