@@ -132,8 +132,8 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
         search.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
     partial, _ = _read(out)
     assert 0 < len(partial) < 6
-    in_flight = len(list((out / "partial").glob("*.safetensors")))
-    assert in_flight > 0
+    in_flight = [int(load_file(str(f))["pos"]) for f in (out / "partial").glob("*.safetensors")]
+    assert in_flight and max(in_flight) >= 0
     resumed = {"n": 0}
 
     def again(tokens):
@@ -143,8 +143,8 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
     summary = search.run(problems, prompts, [again] * 6, target, draft, out, CFG, progress=False)
     assert summary["skipped_done"] == len(partial)
     # Every decision taken before the kill was kept: the resumed run redoes only the interrupted one, plus
-    # one outcome per resumed text.
-    assert resumed["n"] == total["n"] - (calls["n"] - 1) + in_flight
+    # one outcome per resumed text (a greedy text saved unfinished, position -1, has had none yet).
+    assert resumed["n"] == total["n"] - (calls["n"] - 1) + sum(pos >= 0 for pos in in_flight)
     assert not list((out / "partial").glob("*"))
     (clean_index, clean), (index, tensors) = _read(tmp_path / "clean"), _read(out)
     assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each once
@@ -161,3 +161,55 @@ def test_criteria():
     assert search.pivot_labels(t, "correct").tolist() == [0, 1, 0, 1]
     with pytest.raises(ValueError, match="unknown criterion"):
         search.pivot_labels(t, "vibes")
+
+
+@pytest.mark.parametrize("how", ["killed", "interrupted"])
+def test_greedy_texts_cut_short_go_on_from_where_they_were_saved(setup, tmp_path, monkeypatch, how):
+    # killed: no warning (the texts saved every GREEDY_SAVE_SECONDS, here after every step, survive);
+    # interrupted: Ctrl-C, the texts are saved on the way out.
+    target, draft, problems, prompts = setup
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "clean", CFG, progress=False)
+    monkeypatch.setattr(search, "GREEDY_SAVE_SECONDS", 0.0 if how == "killed" else float("inf"))
+    error = RuntimeError if how == "killed" else KeyboardInterrupt
+    real_step, steps = search.Continuations.step, {"n": 0}
+
+    def dying_step(self):  # stopped while the first greedy texts are half decoded (a join, then 2 steps)
+        steps["n"] += 1
+        if steps["n"] > 3:
+            raise error
+        return real_step(self)
+
+    monkeypatch.setattr(search.Continuations, "step", dying_step)
+    out = tmp_path / "killed"
+    with pytest.raises(error):
+        search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    monkeypatch.setattr(search.Continuations, "step", real_step)
+    saved = {}
+    for f in (out / "partial").glob("*.safetensors"):
+        t = load_file(str(f))
+        assert int(t["pos"]) == -1 and "position" not in t  # a greedy text in progress, no decision yet
+        saved[int(f.stem)] = t["text"].tolist()
+    assert len(saved) == CFG.batch and all(0 < len(v) < CFG.max_new_tokens for v in saved.values())
+    eos = eos_ids(target, None)
+    for i, text in saved.items():  # what was saved is the start of the problem's greedy text
+        whole = greedy_from_scratch(target, prompts[i][0].tolist(), CFG.max_new_tokens, eos)
+        assert whole[: len(text)] == text
+    submitted = []
+    real_submit = search.Continuations.submit
+    monkeypatch.setattr(search.Continuations, "submit",
+                        lambda self, job: (submitted.append(job), real_submit(self, job)))
+    search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    resumed = {job.key[0]: job for job in submitted if job.key[1] == "greedy"}
+    assert resumed.keys() == saved.keys()  # each goes on from its saved text, none starts over
+    for i, job in resumed.items():
+        assert job.first == prompts[i][0].tolist() + saved[i]
+        assert job.budget == CFG.max_new_tokens - len(saved[i])
+    assert not [job for job in submitted if job.key[1] is None and job.key[0] in saved]
+    assert not list((out / "partial").glob("*"))
+    (clean_index, clean), (index, tensors) = _read(tmp_path / "clean"), _read(out)
+    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each once
+    strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
+    assert strip(index) == strip(clean_index)
+    for pid, t in clean.items():
+        for k in t:
+            torch.testing.assert_close(tensors[pid][k], t[k], rtol=0, atol=0 if k in INTS else 1e-3)

@@ -109,6 +109,10 @@ class Continuations:
         """Rows still decoding."""
         return sum(j is not None for j in self.rows)
 
+    def running_jobs(self) -> list[Job]:
+        """The jobs of the rows still decoding (their ``generated`` tokens so far are final)."""
+        return [j for j in self.rows if j is not None]
+
     @property
     def busy(self) -> bool:
         return bool(self.running or self.queue)

@@ -19,7 +19,9 @@ next mismatch (``DRAFT_CHUNK`` positions at a time): after a harmless decision a
 new text from t on. Finished problems are written as the rollout labeler
 writes them (``pad.pivots.label.LabelWriter``). A problem in flight is saved after each of its decisions
 (``partial/``: its current text, next position and records so far), so an interruption loses at most the
-continuations running at that moment; a resumed problem prefills its text once and goes on.
+continuations running at that moment; a resumed problem prefills its text once and goes on. Greedy texts
+still being decoded are saved too, every ``GREEDY_SAVE_SECONDS``, and a resumed one goes on from where
+it was saved (on a CPU without native bf16 the first greedy texts of a batch take tens of minutes).
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ class _Problem:
 # decision changes the text after it: scoring only up to the next mismatch, not to the end, saves most
 # of the draft's work.
 DRAFT_CHUNK = 32
+GREEDY_SAVE_SECONDS = 60.0
 
 
 def _draft_forget(p: _Problem, start: int) -> None:
@@ -138,7 +141,8 @@ _RECORD_INTS = ("position", "same_answer", "correct_before", "correct_after")
 
 class _Partial:
     """Problems in flight, one file each (``partial/NNNNNN.safetensors``): the current text, the next
-    decision position, the seconds spent and the records so far. Written atomically after every decision."""
+    decision position, the seconds spent and the records so far. Written atomically after every decision,
+    and while the greedy text is decoded (the text so far, position -1)."""
 
     def __init__(self, out_dir):
         self.dir = Path(out_dir) / "partial"
@@ -147,18 +151,21 @@ class _Partial:
     def path(self, index: int) -> Path:
         return self.dir / f"{index:06d}.safetensors"
 
-    def save(self, p: _Problem, seconds: float) -> None:
+    def save(self, p: _Problem, seconds: float, greedy: list[int] | None = None) -> None:
+        """Save ``p`` after a decision, or with ``greedy``, its greedy text decoded so far (no decision yet)."""
         from safetensors.torch import save_file
 
         t = {k: v for k, v in _tensors(p).items() if k not in ("label", "generated", "mismatches")}
-        t.update(text=torch.tensor(p.text, dtype=torch.int32), pos=torch.tensor([p.pos], dtype=torch.int32),
+        text, pos = (p.text, p.pos) if greedy is None else (greedy, -1)
+        t.update(text=torch.tensor(text, dtype=torch.int32), pos=torch.tensor([pos], dtype=torch.int32),
                  seconds=torch.tensor([seconds], dtype=torch.float64))
         tmp = self.path(p.index).with_suffix(".tmp")
         save_file(t, str(tmp))
         os.replace(tmp, self.path(p.index))
 
     def load(self, p: _Problem) -> float | None:
-        """Restore ``p``'s text, position and records if it was in flight; returns the seconds spent."""
+        """Restore ``p``'s text, position and records if it was in flight (position -1: a greedy text not
+        finished yet); returns the seconds spent."""
         from safetensors.torch import load_file
 
         if not self.path(p.index).is_file():
@@ -227,9 +234,21 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
             if spent is None:
                 engine.submit(Job(key=(i, None), prefix=None, first=p.prompt, budget=cfg.max_new_tokens,
                                   lookup=p.prompt))
+                continue
+            p.started -= spent
+            if p.pos < 0:  # its greedy text was cut short: prefill the part saved and go on decoding
+                p.pos = 0
+                engine.submit(Job(key=(i, "greedy"), prefix=None, first=p.prompt + p.text,
+                                  budget=cfg.max_new_tokens - len(p.text), lookup=p.prompt))
             else:  # in flight when the last run stopped: prefill its current text once (budget 0)
-                p.started -= spent
                 engine.submit(Job(key=(i, "resume"), prefix=None, first=p.prompt + p.text, budget=0))
+
+    def save_greedy() -> None:
+        for job in engine.running_jobs():
+            i, t = job.key
+            if t is None or t == "greedy":
+                p = active[i]
+                partial.save(p, time.perf_counter() - p.started, greedy=p.text + job.generated)
 
     def advance(p: _Problem) -> None:
         job = _next_decision(draft, vocab, p, cfg.max_new_tokens)
@@ -246,16 +265,16 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
         summary["pivots"] += int(tensors["label"].sum()) if tensors else 0
         bar.update(1)
 
-    decisions = 0
+    decisions, saved = 0, time.perf_counter()
     try:
         admit()
         while engine.busy:
             for done in engine.step():
                 i, t = done.job.key
                 p = active[i]
-                if t is None or t == "resume":  # the target's own greedy text, or a text resumed
-                    if t is None:
-                        p.text = done.job.generated
+                if t in (None, "greedy", "resume"):  # the target's greedy text (whole or finished), a text resumed
+                    if t != "resume":
+                        p.text = p.text + done.job.generated
                     p.cache = done.cache
                     # A resumed text kept the greedy text's answer (it only switched to same-answer texts).
                     p.key, p.correct = p.outcome(p.text)
@@ -272,11 +291,17 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                         p.text, p.cache, p.correct = new, done.cache, correct
                         _draft_forget(p, t)
                     p.pos = t + 1
-                decisions += t is not None and t != "resume"
+                decisions += t not in (None, "greedy", "resume")
                 advance(p)
                 bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
                                 rows=engine.running, tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
             admit()
+            if time.perf_counter() - saved >= GREEDY_SAVE_SECONDS:
+                save_greedy()
+                saved = time.perf_counter()
+    except KeyboardInterrupt:
+        save_greedy()
+        raise
     finally:
         engine.close()
         bar.close()
