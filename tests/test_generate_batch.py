@@ -97,16 +97,21 @@ def test_pivot_rows_at_batch_size_one_and_more_agree():
     assert sum(s.pivot_accepted for s in batched.row_stats) > 0  # the classifier really accepted tokens
 
 
-def _batched_pairs(target, draft, rows, samples, backend=None):
+def _batched_pairs(target, draft, rows, samples, backend=None, copies=100):
+    """Counts [len(rows), V * V] of each row's first two new tokens over ``samples`` draws: every call
+    decodes ``copies`` of each row, interleaved, so rows of different lengths share every batch; the
+    copies draw their own random numbers (identical copies would show as overdispersion)."""
+    assert samples % copies == 0
     V = target.config.vocab_size
     counts = torch.zeros(len(rows), V * V, dtype=torch.long)
-    ids, mask = _batch(rows)
+    ids, mask = _batch(rows * copies)
     P = ids.shape[1]
-    for seed in range(samples):
+    for seed in range(samples // copies):
         out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact", num_draft_tokens=2,
                            max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
+        pairs = out[:, P] * V + out[:, P + 1]
         for r in range(len(rows)):
-            counts[r, out[r, P] * V + out[r, P + 1]] += 1
+            counts[r] += torch.bincount(pairs[r :: len(rows)], minlength=V * V)
     return counts
 
 
