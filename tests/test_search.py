@@ -36,6 +36,16 @@ def _read(out):
     return index, {r["problem"]: load_file(str(out / r["file"])) for r in index if r["file"]}
 
 
+def _assert_same_labels(a, b):
+    """Two folders hold the same problems, each once, with the same index lines (but the seconds) and records."""
+    (ia, ta), (ib, tb) = _read(a), _read(b)
+    strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
+    assert strip(ia) == strip(ib) and ta.keys() == tb.keys()
+    for pid in ta:
+        for k in ta[pid]:
+            torch.testing.assert_close(tb[pid][k], ta[pid][k], rtol=0, atol=0 if k in INTS else 1e-3)
+
+
 @torch.inference_mode()
 def _walk(target, draft, prompt: list[int], max_new: int, layer: int):
     """The rule, written plainly: full forwards without caches at every step."""
@@ -102,12 +112,7 @@ def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_pat
         # One problem at a time without guessed tokens, against batched with them.
         cfg = search.SearchConfig(layer=-1, max_new_tokens=14, batch=b, lookahead=0 if b == 1 else 4)
         search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False)
-    (i1, t1), (i4, t4) = _read(tmp_path / "b1"), _read(tmp_path / "b4")
-    strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
-    assert strip(i1) == strip(i4) and t1.keys() == t4.keys()
-    for pid in t1:
-        for k in t1[pid]:
-            torch.testing.assert_close(t1[pid][k], t4[pid][k], rtol=0, atol=0 if k in INTS else 1e-3)
+    _assert_same_labels(tmp_path / "b1", tmp_path / "b4")
 
 
 def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
@@ -146,11 +151,8 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
     # one outcome per resumed text (a greedy text saved unfinished, position -1, has had none yet).
     assert resumed["n"] == total["n"] - (calls["n"] - 1) + sum(pos >= 0 for pos in in_flight)
     assert not list((out / "partial").glob("*"))
-    (clean_index, clean), (index, tensors) = _read(tmp_path / "clean"), _read(out)
-    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each once
-    for pid, t in clean.items():
-        for k in t:
-            torch.testing.assert_close(tensors[pid][k], t[k], rtol=0, atol=0 if k in INTS else 1e-3)
+    assert sorted(r["problem"] for r in _read(out)[0]) == sorted(p.id for p in problems)  # each once
+    _assert_same_labels(tmp_path / "clean", out)
 
 
 def test_criteria():
@@ -206,10 +208,5 @@ def test_greedy_texts_cut_short_go_on_from_where_they_were_saved(setup, tmp_path
         assert job.budget == CFG.max_new_tokens - len(saved[i])
     assert not [job for job in submitted if job.key[1] is None and job.key[0] in saved]
     assert not list((out / "partial").glob("*"))
-    (clean_index, clean), (index, tensors) = _read(tmp_path / "clean"), _read(out)
-    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each once
-    strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
-    assert strip(index) == strip(clean_index)
-    for pid, t in clean.items():
-        for k in t:
-            torch.testing.assert_close(tensors[pid][k], t[k], rtol=0, atol=0 if k in INTS else 1e-3)
+    assert sorted(r["problem"] for r in _read(out)[0]) == sorted(p.id for p in problems)  # each once
+    _assert_same_labels(tmp_path / "clean", out)
