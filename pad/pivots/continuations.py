@@ -107,7 +107,7 @@ class Continuations:
     @property
     def running(self) -> int:
         """Rows still decoding."""
-        return sum(j is not None for j in self.rows)
+        return len(self.running_jobs())
 
     def running_jobs(self) -> list[Job]:
         """The jobs of the rows still decoding (their ``generated`` tokens so far are final)."""

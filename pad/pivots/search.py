@@ -85,6 +85,9 @@ class _Problem:
 # of the draft's work.
 DRAFT_CHUNK = 32
 GREEDY_SAVE_SECONDS = 60.0
+# Job keys (problem, t): t is the decision's position, or one of these for a job that decodes or prefills
+# the problem's own text: its greedy text (whole, or the rest of one saved unfinished), a text resumed.
+_TEXT_JOBS = (None, "greedy", "resume")
 
 
 def _draft_forget(p: _Problem, start: int) -> None:
@@ -272,7 +275,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
             for done in engine.step():
                 i, t = done.job.key
                 p = active[i]
-                if t in (None, "greedy", "resume"):  # the target's greedy text (whole or finished), a text resumed
+                if t in _TEXT_JOBS:
                     if t != "resume":
                         p.text = p.text + done.job.generated
                     p.cache = done.cache
@@ -291,7 +294,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                         p.text, p.cache, p.correct = new, done.cache, correct
                         _draft_forget(p, t)
                     p.pos = t + 1
-                decisions += t not in (None, "greedy", "resume")
+                decisions += t not in _TEXT_JOBS
                 advance(p)
                 bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
                                 rows=engine.running, tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
