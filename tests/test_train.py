@@ -43,6 +43,10 @@ def test_a_problem_in_two_folders_counts_once(tmp_path):
     assert meta["problems_read"] == 8
     first, _ = train.load_shards([tmp_path / "a"])
     assert torch.equal(data["hidden"][: 5 * 25], first["hidden"])  # the first folder's copy is kept
+    assert meta["problem_ids"] == sorted(f"a{i}" for i in range(8))
+    some, some_meta = train.load_shards([tmp_path / "a", tmp_path / "b"], only=["a1", "a6"])
+    assert some_meta["problem_ids"] == ["a1", "a6"] and some_meta["problems_read"] == 2
+    assert torch.equal(some["hidden"], torch.cat([data["hidden"][25:50], data["hidden"][150:175]]))
 
 
 def test_train_cli_writes_classifier_and_report(tmp_path, capsys):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .classifier import PivotClassifier
+from .replay import SIGMAS as REPLAY_SIGMAS, TAUS as REPLAY_TAUS, replay_table
 
 SIGMAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -43,19 +44,28 @@ class TrainConfig:
 
 
 MODELS = ("mlp", "linear", "auto")
+OUTCOMES = ("same_answer", "correct_before", "correct_after")  # kept from search folders, for replay
 
 
-def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
-    """All labeled positions of the given ``pad label`` folders -> (tensors, meta of the first folder).
+def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, dict]:
+    """All labeled positions of the given ``pad label`` folders -> (tensors, meta of the first folder, with
+    ``problems_read`` and the sorted ``problem_ids`` read, so a classifier's report says exactly which
+    problems it saw while its folders go on growing).
+
+    Tensors are [N] (``hidden`` [N, H]), the positions of a problem contiguous and in the folder's order
+    (for search folders, walk order); when every folder is a search folder, both outcomes of each
+    decision are kept too (``OUTCOMES``).
 
     A problem labeled in more than one folder is taken from the first, so no position counts twice.
     Folders of the search method keep both outcomes of each decision; ``criterion`` picks the label
-    (``pad.pivots.search.pivot_labels``).
+    (``pad.pivots.search.pivot_labels``). ``only`` (problem ids, for example a report's ``problem_ids``)
+    reads those problems alone.
     """
     from .search import pivot_labels
 
     from safetensors.torch import load_file
 
+    only = None if only is None else set(only)
     parts, metas, seen, read = [], [], set(), set()
     for d in map(Path, dirs):
         if not (d / "meta.json").is_file():
@@ -66,6 +76,8 @@ def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
                 if not line.strip():
                     continue
                 rec = json.loads(line)
+                if only is not None and rec["problem"] not in only:
+                    continue
                 read.add(rec["problem"])
                 if rec["file"] and rec["problem"] not in seen:
                     seen.add(rec["problem"])
@@ -81,9 +93,10 @@ def load_shards(dirs, criterion: str = "same-answer") -> tuple[dict, dict]:
     if not parts:
         raise ValueError(f"no labeled positions in {', '.join(map(str, dirs))}")
     keys = ["hidden", "token_prob", "entropy", "label", "problem"]
-    keys += [k for k in ("draft_prob", "draft_entropy") if all(k in p for p in parts)]
+    keys += [k for k in ("draft_prob", "draft_entropy", *OUTCOMES) if all(k in p for p in parts)]
     data = {k: torch.cat([p[k] for p in parts]) for k in keys}
-    return data, {**metas[0], "folders": [str(d) for d in dirs], "problems_read": len(read)}
+    return data, {**metas[0], "folders": [str(d) for d in dirs], "problems_read": len(read),
+                       "problem_ids": sorted(read)}
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> float | torch.Tensor:
@@ -309,14 +322,24 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
     oriented = features[best] if baselines[best] >= 0.5 else -features[best]
     boot = bootstrap({"classifier": prob, **features, "best single feature": oriented}, labels, data["problem"],
                      "classifier", cfg.bootstrap, cfg.seed)
-    return {"model": cfg.model, "folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
-            "problems": len(problems), "auroc": auroc(prob, labels), "auroc_ci": boot["auroc_ci"]["classifier"],
-            "baselines": baselines, "baselines_ci": {n: boot["auroc_ci"][n] for n in baselines},
-            "best_single_feature": {"name": best, "auroc": max(baselines[best], 1 - baselines[best]),
-                                    "difference": auroc(prob, labels) - max(baselines[best], 1 - baselines[best]),
-                                    # classifier minus best feature; the bootstrap stores feature - classifier
-                                    "difference_ci": sorted(-v for v in boot["difference_ci"]["best single feature"])},
-            "bootstrap_resamples": cfg.bootstrap, "sigmas": sigma_table(prob, labels)}
+    out = {"model": cfg.model, "folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
+           "problems": len(problems), "auroc": auroc(prob, labels), "auroc_ci": boot["auroc_ci"]["classifier"],
+           "baselines": baselines, "baselines_ci": {n: boot["auroc_ci"][n] for n in baselines},
+           "best_single_feature": {"name": best, "auroc": max(baselines[best], 1 - baselines[best]),
+                                   "difference": auroc(prob, labels) - max(baselines[best], 1 - baselines[best]),
+                                   # classifier minus best feature; the bootstrap stores feature - classifier
+                                   "difference_ci": sorted(-v for v in boot["difference_ci"]["best single feature"])},
+           "bootstrap_resamples": cfg.bootstrap, "sigmas": sigma_table(prob, labels)}
+    if all(k in data for k in OUTCOMES):
+        # What the out-of-fold scores would do to the answers (pad.pivots.replay), beside the threshold rule
+        # on p_target(token); problems read without a decision count as unchanged.
+        read = max(meta.get("problems_read", 0), len(problems))
+        out["replay"] = {
+            "problems": read,
+            "pivot@sigma": replay_table(prob, REPLAY_SIGMAS, data, read, resamples=cfg.bootstrap, seed=cfg.seed),
+            "threshold@tau": replay_table(data["token_prob"].float(), REPLAY_TAUS, data, read, higher_accepts=True,
+                                          resamples=cfg.bootstrap, seed=cfg.seed)}
+    return out
 
 
 def select_and_train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), folds: int = 5,
@@ -385,6 +408,16 @@ def report_markdown(report: dict) -> str:
                           f"{best['difference']:+.3f}, 95% interval {ci(best['difference_ci'])} "
                           f"({cv['bootstrap_resamples']} resamples of problems)."]
         lines += ["", *_sigma_lines(cv["sigmas"], fmt)]
+        rep = cv.get("replay")
+        if rep:
+            lines += ["", f"Replay of the search walks over {rep['problems']} problems with these out-of-fold scores "
+                          "(`pad.pivots.replay`: a preview from the labels, not a decode): accuracy change against "
+                          "the target's own text, 95% interval over problems.", "",
+                      "| rule | mismatches accepted | accuracy change | 95% interval |", "|---|---|---|---|"]
+            lines += [f"| {rule.split('@')[0]}@{r['threshold']:g} | {r['mismatches_accepted']:.3f} | "
+                      f"{100 * r['accuracy_change']:+.1f} pts | [{100 * r['accuracy_change_ci'][0]:+.1f}, "
+                      f"{100 * r['accuracy_change_ci'][1]:+.1f}] |"
+                      for rule in ("pivot@sigma", "threshold@tau") for r in rep[rule]]
     return "\n".join(lines) + "\n"
 
 
