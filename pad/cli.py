@@ -8,6 +8,7 @@ import json
 import sys
 
 from .decoding.generate import POLICIES
+from .decoding.policy import DEFAULT_SIGMA
 from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -219,10 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy; default: "
                                         "the one shipped for the default pair)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--policy", help=f"{', '.join(POLICIES)}, with settings after @ (pivot@0.5, typical@0.09,0.3, "
+    g.add_argument("--policy", help=f"{', '.join(POLICIES)}, with settings after @ (pivot@0.15, typical@0.09,0.3, "
                                     "threshold@0.5, fly@0.3,6); default: pivot with a classifier, else exact")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=8)
-    g.add_argument("--sigma", type=float, default=0.5)
+    g.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
     g.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP)
     g.add_argument("--floor", type=float, default=1e-4)
     g.add_argument("--max-new-tokens", type=int, default=256)

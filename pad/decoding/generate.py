@@ -16,7 +16,7 @@ from ..pivots.classifier import PivotClassifier
 from .decoder import Decoder, left_pad
 from .hf import LayerCapture, eos_ids, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
-from .policy import Policy, parse_policy
+from .policy import DEFAULT_SIGMA, Policy, parse_policy
 from .stats import GenerationStats
 
 # Bumped whenever a change to the decode path can change the tokens, counts or timings it produces:
@@ -123,7 +123,7 @@ def generate(
     policy: str | Policy | None = None,
     classifier=None,
     num_draft_tokens: int = 8,
-    sigma: float = 0.5,
+    sigma: float = DEFAULT_SIGMA,
     floor: float = 1e-4,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
