@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pad.decoding.hf import crop_cache
+from pad.decoding.hf import crop_cache, forward_tail, returned_cache
 from pad.models.registry import DEFAULT_TARGET, load
 
 
@@ -39,14 +39,14 @@ def main():
     print("| new tokens | median ms | x one token |\n|---|---|---|")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        cache = model(torch.randint(0, 1000, (1, 64), generator=g), use_cache=True).past_key_values
+        cache = returned_cache(model(torch.randint(0, 1000, (1, 64), generator=g), use_cache=True))
         base = None
         for n in range(1, args.max_tokens + 1):
             times = []
             for _ in range(args.repeats):
                 ids = torch.randint(0, 1000, (1, n), generator=g)
                 start = time.perf_counter()
-                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                forward_tail(model, ids, n, cache=cache, use_cache=True)
                 times.append(time.perf_counter() - start)
                 crop_cache(cache, 64)
             median = statistics.median(times)
@@ -70,11 +70,11 @@ def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> 
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for B in sizes:
-            cache = model(torch.randint(0, 1000, (B, prefix), generator=g), use_cache=True).past_key_values
+            cache = returned_cache(model(torch.randint(0, 1000, (B, prefix), generator=g), use_cache=True))
 
             def forward(n, mask=None):
                 ids = torch.randint(0, 1000, (B, n), generator=g)
-                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=n, attention_mask=mask)
+                forward_tail(model, ids, n, cache=cache, use_cache=True, attention_mask=mask)
                 crop_cache(cache, prefix)
 
             one = _median_ms(lambda: forward(1), repeats)

@@ -115,7 +115,11 @@ def _bench(args) -> int:
     specs = bench.parse_policies(args.policies)
     tasks.check_task(args.task)
     data = tasks.data_path(args.task, args.split, args.data)
-    problems = tasks.load(args.task, args.split, data, limit=args.limit)
+    if not 0 <= args.start < args.limit:
+        raise ValueError(f"--start must be at least 0 and below --limit ({args.limit}), got {args.start}")
+    problems = tasks.load(args.task, args.split, data, limit=args.limit)[args.start :]
+    if not problems:
+        raise ValueError(f"{data} has no problems from index {args.start} on")
     classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
     _set_threads(args)  # before the run log's machine line is taken
     tokenizer = load_tokenizer(args.target)
@@ -127,7 +131,8 @@ def _bench(args) -> int:
         return target, draft
 
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
-    stem = (f"{args.task}_{args.split}_{len(problems)}_k{args.num_draft_tokens}_{args.dtype}"
+    span = f"{args.start}-{args.start + len(problems) - 1}" if args.start else f"{len(problems)}"
+    stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
@@ -238,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run policies side by side on a task and print accuracy and speed")
     _add_task(b, "dev")
     _add_models(b)
-    b.add_argument("--limit", type=int, default=20, help="number of problems (from the start of the file)")
+    b.add_argument("--limit", type=int, default=20, help="only the first N problems of the file")
+    b.add_argument("--start", type=int, default=0, help="skip the problems before this index of the file (for "
+                                                        "problems kept apart to choose settings on)")
     b.add_argument("--policies", default="target,exact,hf-assisted",
                    help="comma-separated: target, draft, exact, pivot@SIGMA, typical[@EPS,DELTA], threshold@TAU, "
                         "fly[@GATE,WINDOW], hf-assisted (transformers' assisted generation, one problem at a time), "

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pad.decoding.attention import NAME, use_gqa_sdpa
+from pad.decoding.hf import forward_tail, returned_cache
 from tiny import tiny_model
 
 
@@ -17,9 +18,9 @@ def _ragged_forward(model, seed: int):
     mask[1, 5:7] = 0  # holes (rejected tokens) inside the cache
     positions = (mask.cumsum(1) - 1).clamp_min(0)
     with torch.inference_mode():
-        cache = model(ids, attention_mask=mask[:, :10], position_ids=positions[:, :10], use_cache=True).past_key_values
+        cache = returned_cache(model(ids, attention_mask=mask[:, :10], position_ids=positions[:, :10], use_cache=True))
         new = torch.randint(0, 96, (3, 3), generator=g)
-        return model(new, attention_mask=mask, position_ids=positions[:, 10:], past_key_values=cache).logits
+        return forward_tail(model, new, 3, attention_mask=mask, position_ids=positions[:, 10:], cache=cache).logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -193,3 +193,17 @@ def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folde
     right, _ = train.load_shards([out], criterion="correct")
     assert len(same["label"]) == len(right["label"]) == sum(r["records"] for r in index)
     assert (right["label"] <= same["label"]).all()  # a right answer turned wrong always changed the answer
+
+
+def test_bench_start_skips_the_problems_before_it(folders, tmp_path, capsys):
+    args = ["bench", "--task", "gsm8k", "--data", SAMPLE, "--policies", "target", "--max-new-tokens", "4",
+            "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32",
+            "--out", str(tmp_path)]
+    assert main(args + ["--start", "1", "--limit", "3"]) == 0
+    runs = [json.loads(line) for line in (tmp_path / "gsm8k_dev_k4_float32.runs.jsonl").read_text().splitlines()]
+    assert [r["problem"] for r in runs] == ["gsm8k/dev/1", "gsm8k/dev/2"]
+    assert "gsm8k, 2 problems" in (tmp_path / "gsm8k_dev_1-2_k4_float32.md").read_text()
+    capsys.readouterr()
+    for start, limit in (("3", "3"), ("-1", "2")):
+        assert main(args + ["--start", start, "--limit", limit]) == 2
+        assert "--start must be at least 0 and below --limit" in capsys.readouterr().err

@@ -1,5 +1,8 @@
 """Both KV caches persist across blocks: every forward is fed only unseen tokens, and after every block
 each cache holds exactly committed tokens (the target all but the last one, which it has not seen yet)."""
+import functools
+import inspect
+
 import pytest
 import torch
 
@@ -14,15 +17,19 @@ class Recorder:
     def __init__(self, model):
         self.calls, self.view, self.cache, self.model = [], [], None, model
         inner = model.forward
+        # The cache's argument name in this transformers (5.24 renamed past_key_values to cache).
+        name = "cache" if "cache" in inspect.signature(inner).parameters else "past_key_values"
 
-        def forward(*args, input_ids=None, past_key_values=None, **kwargs):
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        @functools.wraps(inner)  # the same signature, so the decoder calls it as it calls the model
+        def forward(*args, input_ids=None, **kwargs):
+            cache = kwargs.get(name)
+            past = cache.get_seq_length() if cache is not None else 0
             ids = input_ids[0].tolist()
             self.calls.append((past, ids))
             assert past <= len(self.view)
             self.view = self.view[:past] + ids  # what the cache holds after this forward
-            out = inner(*args, input_ids=input_ids, past_key_values=past_key_values, **kwargs)
-            self.cache = out.past_key_values
+            out = inner(*args, input_ids=input_ids, **kwargs)
+            self.cache = out[name]
             return out
 
         model.forward = forward

@@ -3,6 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from pad.decoding.hf import returned_cache
 from pad.pivots.rollout import Start, continue_batch
 from tiny import ARCHS, greedy_from_scratch, tiny_model
 
@@ -13,7 +14,7 @@ def test_greedy_rows_equal_decoding_from_scratch(arch):
     g = torch.Generator().manual_seed(ARCHS.index(arch))
     seq = torch.randint(0, 96, (1, 20), generator=g)
     with torch.inference_mode():
-        cache = model(seq, use_cache=True).past_key_values
+        cache = returned_cache(model(seq, use_cache=True))
         lengths = [1, 20, 7, 13, 7, 3]
         tokens = torch.randint(0, 96, (len(lengths),), generator=g).tolist()
         prefix = lambda i: seq[0, : lengths[i]].tolist() + [tokens[i]]  # noqa: E731
@@ -41,7 +42,7 @@ def test_sampled_first_token_follows_the_tempered_softmax():
     seq = torch.tensor([[1, 5, 2, 7, 3]])
     temperature = 0.8
     with torch.inference_mode():
-        cache = model(seq, use_cache=True).past_key_values
+        cache = returned_cache(model(seq, use_cache=True))
         probs = torch.softmax(model(torch.tensor([[1, 5, 2, 4]])).logits[0, -1].double() / temperature, -1)
         n = 4000
         rows = continue_batch(model, cache, [Start(3, 4)] * n, vocab=8, max_new_tokens=1, eos=set(),
@@ -56,6 +57,6 @@ def test_sampled_first_token_follows_the_tempered_softmax():
 def test_bad_start_length_is_a_clear_error():
     model = tiny_model("llama")
     with torch.inference_mode():
-        cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+        cache = returned_cache(model(torch.tensor([[1, 2, 3]]), use_cache=True))
     with pytest.raises(ValueError, match="start length"):
         continue_batch(model, cache, [Start(4, 1)], vocab=96, max_new_tokens=2, eos=set())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .hf import crop_cache, forward_tail
+from .hf import crop_cache, forward_tail, returned_cache
 
 # Compact when that narrows the cache by more than this share of its columns (and it is wider than 16).
 COMPACT_AT = 0.5
@@ -76,8 +76,8 @@ class Decoder:
         # Without holes the mask changes nothing: leave it out, so the model takes its plain causal path.
         mask = None if bool(self.valid_host.all()) else self.valid.long()
         out = forward_tail(self.model, ids, keep, attention_mask=mask, position_ids=positions,
-                           past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                           cache=self.cache, use_cache=True)
+        self.cache = returned_cache(out)
         self.tokens_fed += fed.sum(1)
         return out.logits[..., : self.vocab]
 

@@ -120,24 +120,34 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra if _NEGATIVE_CROP else length)
 
 
-# forward function -> whether it takes logits_to_keep; inspect.signature is too slow for every forward.
-_TAKES_LOGITS_TO_KEEP: dict = {}
+# forward function -> the names of its parameters; inspect.signature is too slow for every forward.
+_FORWARD_PARAMETERS: dict = {}
 
 
-def _takes_logits_to_keep(model) -> bool:
+def _forward_parameters(model) -> frozenset:
     # The instance's forward when hooks replaced it (accelerate does), else the class's.
     forward = model.__dict__.get("forward", type(model).forward)
     key = getattr(forward, "__func__", forward)
-    if key not in _TAKES_LOGITS_TO_KEEP:
-        _TAKES_LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return _TAKES_LOGITS_TO_KEEP[key]
+    if key not in _FORWARD_PARAMETERS:
+        _FORWARD_PARAMETERS[key] = frozenset(inspect.signature(model.forward).parameters)
+    return _FORWARD_PARAMETERS[key]
 
 
-def forward_tail(model, ids: torch.Tensor, keep: int, **kwargs):
+def forward_tail(model, ids: torch.Tensor, keep: int, cache=None, **kwargs):
     """``model(ids, **kwargs)`` with logits for the last ``keep`` positions only (computed only there when
-    the model takes ``logits_to_keep``)."""
-    if _takes_logits_to_keep(model):
+    the model takes ``logits_to_keep``). ``cache``: the KV cache to extend, under the argument name this
+    transformers takes (``cache`` from 5.24, ``past_key_values`` before); read the extended one back with
+    ``returned_cache``."""
+    params = _forward_parameters(model)
+    if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = keep
+    if cache is not None:
+        kwargs["cache" if "cache" in params else "past_key_values"] = cache
     out = model(input_ids=ids, **kwargs)
     out.logits = out.logits[:, -keep:]
     return out
+
+
+def returned_cache(out):
+    """The KV cache a forward returned (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    return out["cache"] if "cache" in out else out.past_key_values

@@ -365,9 +365,13 @@ def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = 
     return paths
 
 
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
 def _plot(rows, path: Path, title: str) -> Path:
     """Accuracy against tokens/s and against tokens per target forward, every policy one point (its paired
-    interval as an error bar, shifted by the target's accuracy); target and exact marked."""
+    interval as an error bar, shifted by the target's accuracy); target and exact marked, the settings of one
+    rule in one colour."""
     try:
         import matplotlib
 
@@ -376,6 +380,7 @@ def _plot(rows, path: Path, title: str) -> Path:
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
     target = next((r for r in rows if r["policy"] == "target"), None)
+    colours: dict[str, str] = {}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"),
                            (axes[1], "mean_accepted_length", "tokens per target forward")):
@@ -383,8 +388,9 @@ def _plot(rows, path: Path, title: str) -> Path:
             x, y = r[key], r["accuracy"]
             if isinstance(x, float) and math.isnan(x):
                 continue
+            rule = r["policy"].split()[0].split("@")[0]  # "typical@0.09,0.3 K=16" -> "typical": one colour a rule
             style = {"target": dict(marker="s", s=70, c="black"), "exact": dict(marker="D", s=60, c="tab:red")}.get(
-                r["policy"], dict(marker="o", s=35))
+                rule, dict(marker="o", s=35, c=colours.setdefault(rule, PALETTE[len(colours) % len(PALETTE)])))
             ax.scatter(x, y, zorder=3, **style)
             if target is not None and not math.isnan(r.get("accuracy_vs_target_low", math.nan)):
                 base = target["accuracy"]

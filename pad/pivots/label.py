@@ -34,7 +34,7 @@ import torch
 
 from ..decoding.decoder import left_padded
 from ..decoding.generate import generate
-from ..decoding.hf import LayerCapture, decoder_layer, eos_ids, forward_tail, shared_vocab_size
+from ..decoding.hf import LayerCapture, decoder_layer, eos_ids, forward_tail, returned_cache, shared_vocab_size
 from ..evaluation import jsonl
 from ..models.registry import check_weights
 from .rollout import Start, continue_batch
@@ -119,7 +119,7 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
         out = forward_tail(target, seq, T + 1, use_cache=True)  # logits of positions P-1 .. P+T-1 only
     finally:
         capture.remove()
-    full_cache = out.past_key_values
+    full_cache = returned_cache(out)
     hidden = capture.value[0, :T]  # states at positions P-1 .. P+T-2
     t_logits = out.logits[0, :T, :vocab]
     d_logits = forward_tail(draft, seq, T + 1).logits[0, :T, :vocab]

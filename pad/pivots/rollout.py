@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.hf import forward_tail
+
 
 @dataclass(frozen=True)
 class Start:
@@ -72,8 +74,8 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
     for _ in range(max_new_tokens):
         if not alive:
             break
-        logits = model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=batch_cache,
-                       use_cache=True).logits[:, -1, :vocab].float()
+        logits = forward_tail(model, x, 1, attention_mask=mask, position_ids=positions, cache=batch_cache,
+                              use_cache=True).logits[:, -1, :vocab].float()
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:

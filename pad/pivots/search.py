@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from ..decoding.hf import crop_cache, decoder_layer, eos_ids, forward_tail, shared_vocab_size
+from ..decoding.hf import crop_cache, decoder_layer, eos_ids, forward_tail, returned_cache, shared_vocab_size
 from .continuations import Continuations, Job
 from .label import LabelWriter, softmax_stats
 
@@ -110,8 +110,8 @@ def _draft_extend(draft, vocab: int, p: _Problem, end: int) -> None:
         crop_cache(p.draft_cache, need)
         have = need
     ids = torch.tensor([seq[have : P + end - 1]], device=next(draft.parameters()).device)
-    out = forward_tail(draft, ids, ids.shape[1], past_key_values=p.draft_cache, use_cache=True)
-    p.draft_cache = out.past_key_values
+    out = forward_tail(draft, ids, ids.shape[1], cache=p.draft_cache, use_cache=True)
+    p.draft_cache = returned_cache(out)
     logits = out.logits[0, need - have :, :vocab]  # [end - start, V]
     top = logits.argmax(-1)
     prob, entropy = softmax_stats(logits, top)

@@ -1,0 +1,125 @@
+"""The accuracy/speed frontier of one task from the run logs of several ``pad-decoding bench`` commands
+(one log per K): every policy and setting at every K on one table and one figure, each with its accuracy
+difference from the target alone on the same problems (paired 95% bootstrap interval).
+
+    python bench/frontier.py bench/results/gsm8k_dev_k8_bfloat16.runs.jsonl \\
+        bench/results/gsm8k_dev_k16_bfloat16.runs.jsonl --limit 200 --batch-size 16 \\
+        --out bench/results --stem gsm8k_dev_200_frontier_bfloat16
+
+Reads the logs only (no weights). A (K, policy) is listed when the logs hold its runs of every one of the
+first ``--limit`` problems under the current decode path, the given dtype, token budget and batch size, and,
+for pivot policies, the classifier given (default: the shipped one); the rest are named as incomplete.
+The target, draft and hf-target do not depend on K: their runs are taken from whichever log has them.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from pad.decoding.generate import DECODE_VERSION
+from pad.evaluation import bench, jsonl, tasks
+
+K_FREE = ("target", "draft", "hf-target")
+
+
+def collect(records: list[dict], problems: list[str], *, dtype: str, max_new_tokens: int, batch_size: int,
+            classifier: str | None) -> tuple[dict, dict, set]:
+    """-> ({(label, k): {problem: record}} of the complete groups, {label: problems found} of the others,
+    machine lines). A group is a policy at one K (K-free policies: one group)."""
+    wanted = set(problems)
+    groups: dict[tuple[str, int | None], dict[str, dict]] = {}
+    for r in records:
+        s = r["settings"]
+        if (r["problem"] not in wanted or s.get("decode") != DECODE_VERSION or s.get("dtype") != dtype
+                or s.get("max_new_tokens") != max_new_tokens or "draft_stop" in s
+                or s.get("batch_size") != (1 if r["policy"] == "hf-assisted" else batch_size)
+                or (r["policy"].startswith("pivot") and s.get("classifier") != classifier)):
+            continue
+        key = (r["policy"], None if r["policy"] in K_FREE else s["k"])
+        groups.setdefault(key, {}).setdefault(r["problem"], r)  # the first run of a problem counts
+    complete = {key: runs for key, runs in groups.items() if len(runs) == len(wanted)}
+    partial = {_label(*key): len(runs) for key, runs in groups.items() if key not in complete}
+    weights = {repr(r["settings"].get("weights")) for runs in complete.values() for r in runs.values()}
+    if len(weights) > 1:
+        raise ValueError(f"the logs mix runs of different weights: {sorted(weights)}")
+    machines = {r["settings"]["machine"] for runs in complete.values() for r in runs.values()}
+    return complete, partial, machines
+
+
+def _label(policy: str, k: int | None) -> str:
+    return policy if k is None else f"{policy} K={k}"
+
+
+def frontier_rows(complete: dict, problems: list[str]) -> list[dict]:
+    """One ``bench.PolicyTotals`` row per group, target first, then by K and the order of the logs."""
+    totals = {}
+    for key, runs in complete.items():
+        t = bench.PolicyTotals()
+        for p in problems:
+            t.add(runs[p])
+        totals[key] = t
+    target = complete.get(("target", None))
+    target_tps = totals[("target", None)].row("target", math.nan)["tokens_per_s"] if target else math.nan
+    order = sorted(complete, key=lambda key: (key[0] != "target", key[1] or 0))
+    rows = []
+    for key in order:
+        row = totals[key].row(_label(*key), target_tps)
+        diff = (bench.paired_difference([bool(complete[key][p]["correct"]) for p in problems],
+                                        [bool(target[p]["correct"]) for p in problems])
+                if target else (math.nan,) * 3)
+        row.update(zip(("accuracy_vs_target", "accuracy_vs_target_low", "accuracy_vs_target_high"), diff))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("logs", nargs="+", type=Path, help="run logs of pad-decoding bench (*.runs.jsonl)")
+    ap.add_argument("--task", help="gsm8k or humaneval (default: read from the logs' names)")
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.evaluation.tasks)")
+    ap.add_argument("--limit", type=int, required=True, help="the first N problems of the split")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--classifier", help="checksum of the pivot policies' classifier (default: the shipped one)")
+    ap.add_argument("--out", type=Path, help="folder for the table (.md, .csv) and the figure (.png)")
+    ap.add_argument("--stem", help="file name stem (default: <task>_<split>_<limit>_frontier_<dtype>)")
+    args = ap.parse_args(argv)
+    task = args.task or args.logs[0].name.split("_")[0]
+    classifier = args.classifier
+    if classifier is None:
+        from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
+        from pad.pivots.classifier import PivotClassifier
+
+        classifier = PivotClassifier.load(shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)).checksum()
+    records = [r for log in args.logs for r in jsonl.read(log)]
+    problems = [p.id for p in tasks.load(task, args.split, args.data, limit=args.limit)]
+    try:
+        complete, partial, machines = collect(records, problems, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                                              batch_size=args.batch_size, classifier=classifier)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not complete:
+        print(f"no policy has runs of all {len(problems)} problems in these logs; found: {partial}", file=sys.stderr)
+        return 1
+    rows = frontier_rows(complete, problems)
+    command = "python bench/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = (f"{task} {args.split}, problems 0-{args.limit - 1}, {args.dtype}, max {args.max_new_tokens} new "
+              f"tokens, greedy, batches of {args.batch_size}; pivot classifier {classifier}\n\n"
+              f"Command: `{command}`\n\nMachines: " + "; ".join(sorted(machines)))
+    if partial:
+        header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{args.limit})" for k, n in partial.items())
+    print(bench.markdown(rows, header))
+    if args.out:
+        stem = args.stem or f"{task}_{args.split}_{args.limit}_frontier_{args.dtype}"
+        for path in bench.write(rows, args.out, stem, header, plot=True):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

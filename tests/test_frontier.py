@@ -1,0 +1,91 @@
+"""bench/frontier.py: the frontier table over the run logs of several K, against sums worked out here."""
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pad.decoding.generate import DECODE_VERSION
+from pad.evaluation.bench import paired_difference
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "frontier.py"
+CLF = "c0ffee0123456789"
+SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
+
+
+def _record(problem, policy, k, rng, **settings):
+    return {"problem": f"gsm8k/dev/{problem}", "policy": policy,
+            "settings": {"decode": DECODE_VERSION, "dtype": "bfloat16", "max_new_tokens": 512, "k": k,
+                         "batch_size": 4, "machine": "m1", "weights": {"target": "t", "draft": "d"},
+                         **({"classifier": CLF} if policy.startswith("pivot") else {}), **settings},
+            "correct": rng.random() < 0.5, "new_tokens": rng.randint(50, 300), "seconds": rng.uniform(1, 20),
+            "target_forwards": rng.randint(10, 50), "drafted": rng.randint(0, 200), "accepted": rng.randint(0, 100),
+            "batch_size": 4, "peak_mib": 100.0}
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _rows(md: str) -> dict[str, list[str]]:
+    return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in md.splitlines() if line.startswith("| ") and "---" not in line)}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_frontier_joins_the_logs_of_two_k(tmp_path, seed):
+    rng = random.Random(seed)
+    n = 5  # the problems of the sample file
+    k8 = [_record(p, pol, 8, rng) for p in range(n) for pol in ("target", "exact", "pivot@0.15")]
+    k8 += [_record(p, "fly", 8, rng) for p in range(n - 1)]  # one problem short: not listed
+    k8 += [_record(p, "exact", 8, rng, dtype="float32") for p in range(n)]  # another dtype: ignored
+    k8 += [_record(p, "pivot@0.5", 8, rng, classifier="another") for p in range(n)]  # another classifier
+    k8 += [_record(n, "exact", 8, rng)]  # a problem past --limit: ignored
+    k16 = [_record(p, pol, 16, rng) for p in range(n) for pol in ("exact", "fly@0.3,6")]
+    k16 += [_record(0, "exact", 16, rng, machine="m2")]  # a second run of problem 0: the first one counts
+    logs = []
+    for name, records in (("gsm8k_dev_k8_bfloat16.runs.jsonl", k8), ("gsm8k_dev_k16_bfloat16.runs.jsonl", k16)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+        logs.append(tmp_path / name)
+    proc = _run(*logs, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--out", tmp_path,
+                "--stem", "f")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    assert list(rows)[1:] == ["target", "exact K=8", "pivot@0.15 K=8", "exact K=16", "fly@0.3,6 K=16"]
+    assert "fly K=8 (4/5)" in proc.stdout and "pivot@0.5" not in rows
+    assert "Machines: m1" in proc.stdout and "m2" not in proc.stdout
+
+    def group(policy, k):
+        return [next(r for r in k8 + k16 if r["policy"] == policy and r["problem"] == f"gsm8k/dev/{p}"
+                     and (policy == "target" or r["settings"]["k"] == k) and r["settings"]["dtype"] == "bfloat16"
+                     and r["settings"].get("classifier", CLF) == CLF) for p in range(n)]
+
+    target = group("target", None)
+    tps_target = sum(r["new_tokens"] for r in target) / sum(r["seconds"] for r in target)
+    for label, policy, k in (("exact K=8", "exact", 8), ("pivot@0.15 K=8", "pivot@0.15", 8),
+                             ("exact K=16", "exact", 16), ("fly@0.3,6 K=16", "fly@0.3,6", 16)):
+        runs = group(policy, k)
+        cells = rows[label]
+        assert cells[1] == f"{sum(r['correct'] for r in runs) / n:.1%}"
+        assert cells[3] == f"{sum(r['new_tokens'] for r in runs) / sum(r['target_forwards'] for r in runs):.2f}"
+        tps = sum(r["new_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+        assert cells[5] == f"{tps:.2f}" and cells[6] == f"{tps / tps_target:.2f}x"
+        d, lo, hi = paired_difference([r["correct"] for r in runs], [r["correct"] for r in target])
+        assert cells[7] == f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    assert (tmp_path / "f.md").is_file() and (tmp_path / "f.csv").is_file()
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_frontier_refuses_logs_without_a_complete_policy_and_mixed_weights(tmp_path):
+    rng = random.Random(2)
+    log = tmp_path / "gsm8k_dev_k8_bfloat16.runs.jsonl"
+    log.write_text("".join(json.dumps(_record(p, "exact", 8, rng)) + "\n" for p in range(3)))
+    proc = _run(log, "--data", SAMPLE, "--limit", 4, "--batch-size", 4, "--classifier", CLF)
+    assert proc.returncode == 1 and "no policy has runs of all 4 problems" in proc.stderr and "exact K=8" in proc.stderr
+    other = [_record(p, "target", 8, rng, weights={"target": "other", "draft": "d"}) for p in range(3)]
+    log.write_text(log.read_text() + "".join(json.dumps(r) + "\n" for r in other))
+    proc = _run(log, "--data", SAMPLE, "--limit", 3, "--batch-size", 4, "--classifier", CLF)
+    assert proc.returncode == 2 and "mix runs of different weights" in proc.stderr and "Traceback" not in proc.stderr
