@@ -7,8 +7,9 @@ difference from the target alone on the same problems (paired 95% bootstrap inte
         --out bench/results --stem gsm8k_dev_200_frontier_bfloat16
 
 Reads the logs only (no weights). A (K, policy) is listed when the logs hold its runs of every one of the
-first ``--limit`` problems under the current decode path, the given dtype, token budget and batch size, and,
-for pivot policies, the classifier given (default: the shipped one); the rest are named as incomplete.
+first ``--limit`` problems under the current decode path, the given dtype, token budget and batch size, with a
+fixed draft length (no ``--draft-stop``) and, for pivot policies, the classifier given (default: the shipped
+one); the rest are named as incomplete.
 The target, draft and hf-target do not depend on K: their runs are taken from whichever log has them.
 """
 from __future__ import annotations
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
               f"tokens, greedy, batches of {args.batch_size}; pivot classifier {classifier}\n\n"
               f"Command: `{command}`\n\nMachines: " + "; ".join(sorted(machines)))
     if partial:
-        header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{args.limit})" for k, n in partial.items())
+        header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{len(problems)})" for k, n in partial.items())
     print(bench.markdown(rows, header))
     if args.out:
         stem = args.stem or f"{task}_{args.split}_{args.limit}_frontier_{args.dtype}"
