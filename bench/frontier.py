@@ -15,7 +15,6 @@ The target, draft and hf-target do not depend on K: their runs are taken from wh
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -54,25 +53,15 @@ def _label(policy: str, k: int | None) -> str:
 
 
 def frontier_rows(complete: dict, problems: list[str]) -> list[dict]:
-    """One ``bench.PolicyTotals`` row per group, target first, then by K and the order of the logs."""
-    totals = {}
-    for key, runs in complete.items():
-        t = bench.PolicyTotals()
-        for p in problems:
-            t.add(runs[p])
-        totals[key] = t
-    target = complete.get(("target", None))
-    target_tps = totals[("target", None)].row("target", math.nan)["tokens_per_s"] if target else math.nan
+    """One ``bench.summary_rows`` row per group, target first, then by K and the order of the logs."""
     order = sorted(complete, key=lambda key: (key[0] != "target", key[1] or 0))
-    rows = []
+    totals, correct = {}, {}
     for key in order:
-        row = totals[key].row(_label(*key), target_tps)
-        diff = (bench.paired_difference([bool(complete[key][p]["correct"]) for p in problems],
-                                        [bool(target[p]["correct"]) for p in problems])
-                if target else (math.nan,) * 3)
-        row.update(zip(("accuracy_vs_target", "accuracy_vs_target_low", "accuracy_vs_target_high"), diff))
-        rows.append(row)
-    return rows
+        t = totals[_label(*key)] = bench.PolicyTotals()
+        for p in problems:
+            t.add(complete[key][p])
+        correct[_label(*key)] = [bool(complete[key][p]["correct"]) for p in problems]
+    return bench.summary_rows(totals, correct)
 
 
 def main(argv=None) -> int:

@@ -231,11 +231,17 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                 bar.update(len(group))
                 bar.set_postfix_str(note)
     bar.close()
+    return summary_rows(totals, {name: [c[p.id] for p in problems] for name, c in correct.items()})
+
+
+def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]) -> list[dict]:
+    """One ``PolicyTotals.row`` per policy, in the order of ``totals``, each with its speedup over and its
+    accuracy difference from the policy named "target" (paired over the same problems: ``correct[name]``
+    lists every policy's outcomes in one order); NaN where there is no target."""
     target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
-    rows = [totals[s.name].row(s.name, target_tps) for s in specs]
+    rows = [t.row(name, target_tps) for name, t in totals.items()]
     for row in rows:
-        diff, low, high = (paired_difference([correct[row["policy"]][p.id] for p in problems],
-                                             [correct["target"][p.id] for p in problems])
+        diff, low, high = (paired_difference(correct[row["policy"]], correct["target"])
                            if "target" in correct else (math.nan,) * 3)
         row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high)
     return rows
