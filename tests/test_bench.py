@@ -227,3 +227,11 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
     assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0]" in text and "paired bootstrap" in text
     png = paths[2].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_coinciding_points_share_one_label():
+    rows = [{"policy": name, "accuracy": acc, "tokens_per_s": tps}
+            for name, acc, tps in (("target", 0.5, 4.0), ("exact", 0.5, 7.001), ("pivot@0.15", 0.5, 6.999),
+                                   ("fly", 0.5, 7.1), ("typical", 0.45, 7.0), ("draft", 0.2, float("nan")))]
+    assert sorted(bench.point_labels(rows, "tokens_per_s")) == [
+        (4.0, 0.5, "target"), (7.0, 0.45, "typical"), (7.001, 0.5, "exact = pivot@0.15"), (7.1, 0.5, "fly")]

@@ -374,6 +374,19 @@ def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = 
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
+def point_labels(rows, key: str) -> list[tuple[float, float, str]]:
+    """One ``(x, y, label)`` per point of the plot against ``key``; policies whose points coincide (to the
+    precision the tables print: x to 2 decimals, accuracy to 0.1 point) share one label ``"a = b"``, so their
+    names do not print over each other."""
+    points: dict[tuple[float, float], list] = {}
+    for r in rows:
+        x, y = r[key], r["accuracy"]
+        if isinstance(x, float) and math.isnan(x):
+            continue
+        points.setdefault((round(x, 2), round(y, 3)), [x, y, []])[2].append(r["policy"])
+    return [(x, y, " = ".join(names)) for x, y, names in points.values()]
+
+
 def _plot(rows, path: Path, title: str) -> Path:
     """Accuracy against tokens/s and against tokens per target forward, every policy one point (its paired
     interval as an error bar, shifted by the target's accuracy); target and exact marked, the settings of one
@@ -403,7 +416,8 @@ def _plot(rows, path: Path, title: str) -> Path:
                 ax.errorbar(x, y, yerr=[[y - (base + r["accuracy_vs_target_low"])],
                                         [base + r["accuracy_vs_target_high"] - y]],
                             fmt="none", ecolor="grey", alpha=0.5, zorder=2)
-            ax.annotate(r["policy"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for x, y, text in point_labels(rows, key):
+            ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (bar: paired 95% interval vs target)")
