@@ -57,10 +57,11 @@ def frontier_rows(complete: dict, problems: list[str]) -> list[dict]:
     order = sorted(complete, key=lambda key: (key[0] != "target", key[1] or 0))
     totals, correct = {}, {}
     for key in order:
-        t = totals[_label(*key)] = bench.PolicyTotals()
+        name = _label(*key)
+        t = totals[name] = bench.PolicyTotals()
         for p in problems:
             t.add(complete[key][p])
-        correct[_label(*key)] = [bool(complete[key][p]["correct"]) for p in problems]
+        correct[name] = [bool(complete[key][p]["correct"]) for p in problems]
     return bench.summary_rows(totals, correct)
 
 
