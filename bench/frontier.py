@@ -1,6 +1,6 @@
 """The accuracy/speed frontier of one task from the run logs of several ``pad-decoding bench`` commands
 (one log per K): every policy and setting at every K on one table and one figure, each with its accuracy
-difference from the target alone on the same problems (paired 95% bootstrap interval).
+difference from the target alone on the same problems (exact McNemar 95% interval).
 
     python bench/frontier.py bench/results/gsm8k_dev_k8_bfloat16.runs.jsonl \\
         bench/results/gsm8k_dev_k16_bfloat16.runs.jsonl --limit 200 --batch-size 16 \\
@@ -72,12 +72,14 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="dev")
     ap.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.evaluation.tasks)")
     ap.add_argument("--limit", type=int, required=True, help="the first N problems of the split")
+    ap.add_argument("--start", type=int, default=0, help="skip the problems before this index (as pad-decoding bench)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--classifier", help="checksum of the pivot policies' classifier (default: the shipped one)")
     ap.add_argument("--out", type=Path, help="folder for the table (.md, .csv) and the figure (.png)")
-    ap.add_argument("--stem", help="file name stem (default: <task>_<split>_<limit>_frontier_<dtype>)")
+    ap.add_argument("--stem", help="file name stem (default: <task>_<split>_<limit>_frontier_<dtype>; with "
+                    "--start, <start>-<last> in place of <limit>)")
     args = ap.parse_args(argv)
     task = args.task or args.logs[0].name.split("_")[0]
     classifier = args.classifier
@@ -87,7 +89,12 @@ def main(argv=None) -> int:
 
         classifier = PivotClassifier.load(shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)).checksum()
     records = [r for log in args.logs for r in jsonl.read(log)]
-    problems = [p.id for p in tasks.load(task, args.split, args.data, limit=args.limit)]
+    if not 0 <= args.start < args.limit:
+        ap.error(f"--start must be at least 0 and below --limit ({args.limit}), got {args.start}")
+    problems = [p.id for p in tasks.load(task, args.split, args.data, limit=args.limit)[args.start:]]
+    if not problems:
+        ap.error(f"the {task} {args.split} data has no problems from index {args.start} on")
+    span = f"{args.start}-{args.start + len(problems) - 1}"
     try:
         complete, partial, machines = collect(records, problems, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                                               batch_size=args.batch_size, classifier=classifier)
@@ -99,14 +106,14 @@ def main(argv=None) -> int:
         return 1
     rows = frontier_rows(complete, problems)
     command = "python bench/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"{task} {args.split}, problems 0-{args.limit - 1}, {args.dtype}, max {args.max_new_tokens} new "
+    header = (f"{task} {args.split}, problems {span}, {args.dtype}, max {args.max_new_tokens} new "
               f"tokens, greedy, batches of {args.batch_size}; pivot classifier {classifier}\n\n"
               f"Command: `{command}`\n\nMachines: " + "; ".join(sorted(machines)))
     if partial:
         header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{len(problems)})" for k, n in partial.items())
     print(bench.markdown(rows, header))
     if args.out:
-        stem = args.stem or f"{task}_{args.split}_{args.limit}_frontier_{args.dtype}"
+        stem = args.stem or f"{task}_{args.split}_{span if args.start else len(problems)}_frontier_{args.dtype}"
         for path in bench.write(rows, args.out, stem, header, plot=True):
             print(f"wrote {path}")
     return 0

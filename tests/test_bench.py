@@ -4,6 +4,7 @@ import math
 from pathlib import Path
 
 import pytest
+import scipy.stats
 import torch
 
 from pad.evaluation import bench, tasks
@@ -200,15 +201,27 @@ def test_batched_bench_keeps_per_problem_results(tmp_path):
 def test_paired_difference_interval():
     same = [True, False, True, True]
     assert bench.paired_difference(same, same) == (0.0, 0.0, 0.0)
-    assert bench.paired_difference([True] * 5, [False] * 5) == (1.0, 1.0, 1.0)
-    g = torch.Generator().manual_seed(0)
-    a = (torch.rand(400, generator=g) < 0.7).tolist()
-    b = [x if torch.rand(1, generator=g) < 0.9 else not x for x in a]  # mostly the same outcomes: paired
-    d, low, high = bench.paired_difference(a, b)
-    diffs = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-    se = float(diffs.std() / len(a) ** 0.5)  # the normal approximation the bootstrap should be close to
-    assert d == pytest.approx(float(diffs.mean())) and low < d < high
-    assert low == pytest.approx(d - 1.96 * se, abs=0.01) and high == pytest.approx(d + 1.96 * se, abs=0.01)
+    # 5 wins out of 5: exact McNemar p = 2 * 0.5**5 = 0.0625, so the interval must reach below 0; the lower
+    # bound of pi solves pi**5 = 0.025 by hand
+    d, low, high = bench.paired_difference([True] * 5, [False] * 5)
+    assert (d, high) == (1.0, 1.0) and low == pytest.approx(2 * 0.025 ** 0.2 - 1, abs=1e-12) and low < 0
+    # 0 wins and 4 losses among 96 problems (p = 0.125): pi's upper bound solves (1 - pi)**4 = 0.025
+    d, low, high = bench.paired_difference([False] * 4 + [True] * 92, [True] * 96)
+    assert d == pytest.approx(-4 / 96) and low == pytest.approx(-4 / 96)
+    assert high == pytest.approx(4 / 96 * (2 * (1 - 0.025 ** 0.25) - 1), abs=1e-12) and high > 0
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        a = (torch.rand(400, generator=g) < 0.7).tolist()
+        b = [x if torch.rand(1, generator=g) < 0.85 else not x for x in a]  # mostly the same outcomes: paired
+        x = sum(u and not v for u, v in zip(a, b))
+        m = x + sum(v and not u for u, v in zip(a, b))
+        ci = scipy.stats.binomtest(x, m).proportion_ci(0.95, method="exact")  # Clopper-Pearson
+        d, low, high = bench.paired_difference(a, b)
+        assert d == pytest.approx((sum(a) - sum(b)) / 400)
+        assert low == pytest.approx(m / 400 * (2 * ci.low - 1), abs=1e-9)
+        assert high == pytest.approx(m / 400 * (2 * ci.high - 1), abs=1e-9)
+        p = scipy.stats.binomtest(x, m).pvalue  # the interval excludes 0 exactly when McNemar rejects
+        assert (low > 0 or high < 0) == (p < 0.05)
     with pytest.raises(ValueError):
         bench.paired_difference([True], [True, False])
 
@@ -224,9 +237,16 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
                                                   ("typical@0.09,0.3", 0.45, 3.1, 8.0, -0.15, 0.05))]
     paths = bench.write(rows, tmp_path, "t", "header line", plot=True)
     text = paths[1].read_text()
-    assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0]" in text and "paired bootstrap" in text
+    assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0]" in text and "exact McNemar" in text
     png = paths[2].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # 66/80 against 67/80, one problem lost and none gained: the interval's low end is the point itself, which
+    # in float lies 1 ulp above it
+    edge = [dict(rows[0], accuracy=67 / 80), dict(rows[2], policy="threshold@0.4", accuracy=66 / 80,
+                                                  accuracy_vs_target=-1 / 80, accuracy_vs_target_low=-1 / 80,
+                                                  accuracy_vs_target_high=0.95 / 80)]
+    assert 66 / 80 - (67 / 80 - 1 / 80) < 0
+    assert bench.write(edge, tmp_path, "edge", "header line", plot=True)[2].read_bytes()[:4] == b"\x89PNG"
 
 
 def test_coinciding_points_share_one_label():

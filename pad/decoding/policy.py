@@ -17,7 +17,7 @@ NAMES = ALONE + SPECULATIVE
 # Settings after "@": their names and defaults (None: required).
 # pivot's sigma when none is given: with the shipped classifier, the largest of 0.2, 0.3 and 0.4 whose
 # accuracy stayed within 2 points of the target's when decoding GSM8K train 7000-7095 (never labeled nor
-# reported; bench/results/gsm8k_train_7000-7095_k8_bfloat16_b16.md): 0.3 (+3.1 points; 0.4 lost 2.1).
+# reported; bench/results/gsm8k_train_7000-7095_frontier_bfloat16.md): 0.3 (+3.1 points; 0.4 lost 2.1).
 DEFAULT_SIGMA = 0.3
 SETTINGS = {"pivot": (("sigma", None),), "typical": (("epsilon", 0.09), ("delta", 0.3)),
             "threshold": (("tau", None),), "fly": (("gate", 0.3), ("window", 6))}
