@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 import torch
 
-from pad.evaluation import bench, tasks
+from pad.evaluation import bench, machine, tasks
 from test_cli import _tokenizer
 from test_generate_pivot import _classifier
 from tiny import tiny_pair
@@ -56,6 +56,8 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     clean = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
     lines = log.read_text().splitlines()
     assert len(lines) == 9
+    probes = {json.loads(line)["speed_probe"] for line in lines}  # one probe a process, beside every run
+    assert len(probes) == 1 and probes.pop() > 0
     # Each record keeps the reply it was scored on, and the score follows from it.
     for record in map(json.loads, lines):
         problem = next(p for p in problems if p.id == record["problem"])
@@ -231,13 +233,14 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
     rows = [{"policy": name, "problems": 10, "accuracy": acc, "acceptance_rate": nan, "mean_accepted_length": tpf,
              "target_forwards_per_token": 1 / tpf, "new_tokens": 100, "tokens_per_s": tps, "speedup_vs_target": 1.0,
              "batch_size": 1, "peak_mib": nan, "accuracy_vs_target": acc - 0.5, "accuracy_vs_target_low": low,
-             "accuracy_vs_target_high": high}
+             "accuracy_vs_target_high": high, "speed_probe": 300.0}
             for name, acc, tpf, tps, low, high in (("target", 0.5, 1.0, 4.0, 0.0, 0.0),
                                                   ("exact", 0.5, 2.5, 7.0, 0.0, 0.0),
                                                   ("typical@0.09,0.3", 0.45, 3.1, 8.0, -0.15, 0.05))]
     paths = bench.write(rows, tmp_path, "t", "header line", plot=True)
     text = paths[1].read_text()
     assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0]" in text and "exact McNemar" in text
+    assert "| 300 |" in text and "do not compare" not in text
     png = paths[2].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # 66/80 against 67/80, one problem lost and none gained: the interval's low end is the point itself, which
@@ -255,3 +258,26 @@ def test_coinciding_points_share_one_label():
                                    ("fly", 0.5, 7.1), ("typical", 0.45, 7.0), ("draft", 0.2, float("nan")))]
     assert sorted(bench.point_labels(rows, "tokens_per_s")) == [
         (4.0, 0.5, "target"), (7.0, 0.45, "typical"), (7.001, 0.5, "exact = pivot@0.15"), (7.1, 0.5, "fly")]
+
+
+def test_speed_probe_rows_and_their_spread(monkeypatch):
+    def record(seconds, probe=None):
+        return {"correct": True, "new_tokens": 10, "seconds": seconds, "target_forwards": 2, "drafted": 8,
+                "accepted": 8, **({} if probe is None else {"speed_probe": probe})}
+
+    t = bench.PolicyTotals()
+    for r in (record(10.0, 100.0), record(30.0, 200.0), record(5.0)):  # the last one predates the probe
+        t.add(r)
+    assert t.row("exact", 1.0)["speed_probe"] == pytest.approx((10 * 100 + 30 * 200) / 40)  # weighted as tok/s
+    old = bench.PolicyTotals()
+    old.add(record(5.0))
+    assert math.isnan(old.row("target", 1.0)["speed_probe"])
+    rows = [{**t.row("exact", 1.0), "accuracy_vs_target": 0.0, "accuracy_vs_target_low": 0.0,
+             "accuracy_vs_target_high": 0.0, "speed_probe": p} for p in (300.0, 330.0, math.nan)]
+    assert bench.probe_spread(rows) == pytest.approx(0.10)
+    assert "differ by 10% between rows" in bench.markdown(rows, "h")
+    assert "do not compare" not in bench.markdown(rows[::2], "h") and bench.probe_spread(rows[2:]) == 0.0
+    # GFLOP/s from a clock that advances 10 ms between its readings: 2 * 144 * 1536 * 8960 flops / 0.01 s
+    clock = iter(i * 0.01 for i in range(100))
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
+    assert machine.speed_probe("float32") == pytest.approx(2 * 144 * 1536 * 8960 / 0.01 / 1e9)

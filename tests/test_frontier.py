@@ -93,7 +93,8 @@ def test_frontier_refuses_logs_without_a_complete_policy_and_mixed_weights(tmp_p
 
 def test_frontier_start_takes_a_span_of_problems(tmp_path):
     rng = random.Random(3)
-    runs = {pol: [_record(p, pol, 8, rng) for p in range(2, 5)] for pol in ("target", "exact")}
+    runs = {pol: [{**_record(p, pol, 8, rng), "speed_probe": probe} for p in range(2, 5)]
+            for pol, probe in (("target", 300.0), ("exact", 330.0))}  # timed on machines 10% apart
     log = tmp_path / "gsm8k_dev_k8_bfloat16.runs.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for rs in runs.values() for r in rs))
     proc = _run(log, "--data", SAMPLE, "--start", 2, "--limit", 5, "--batch-size", 4, "--classifier", CLF,
@@ -101,7 +102,8 @@ def test_frontier_start_takes_a_span_of_problems(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "problems 2-4" in proc.stdout and (tmp_path / "gsm8k_dev_2-4_frontier_bfloat16.md").is_file()
     cells = _rows(proc.stdout)["exact K=8"]
-    assert cells[1] == f"{sum(r['correct'] for r in runs['exact']) / 3:.1%}"
+    assert cells[1] == f"{sum(r['correct'] for r in runs['exact']) / 3:.1%}" and cells[-1] == "330"
+    assert "The probes differ by 10% between rows" in proc.stdout
     proc = _run(log, "--data", SAMPLE, "--start", 1, "--limit", 5, "--batch-size", 4, "--classifier", CLF)
     assert proc.returncode == 1 and "all 4 problems" in proc.stderr  # problem 1 has no runs
     proc = _run(log, "--data", SAMPLE, "--start", 5, "--limit", 5, "--batch-size", 4, "--classifier", CLF)

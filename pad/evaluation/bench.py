@@ -19,7 +19,7 @@ from ..decoding.generate import DECODE_VERSION, generate
 from ..decoding.policy import Policy, parse_policy
 from ..models.registry import check_weights
 from . import jsonl, tasks
-from .machine import machine_line
+from .machine import machine_line, speed_probe
 
 HF_POLICIES = ("hf-assisted", "hf-target")  # transformers' own generate, as baselines
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
@@ -82,6 +82,8 @@ class PolicyTotals:
     accepted: int = 0
     batch_size: int = 0  # the largest batch its problems were decoded in
     peak_mib: float = math.nan  # the largest peak resident memory of a timed run
+    probed_seconds: float = 0.0  # wall time of the runs whose log record has a speed probe
+    probe_x_seconds: float = 0.0  # their probes weighted by that time, as tokens/s weighs them
 
     def add(self, record: dict) -> None:
         self.problems += 1
@@ -94,6 +96,9 @@ class PolicyTotals:
         self.target_forwards += record["target_forwards"]
         self.drafted += record["drafted"]
         self.accepted += record["accepted"]
+        if "speed_probe" in record:
+            self.probed_seconds += record["seconds"]
+            self.probe_x_seconds += record["speed_probe"] * record["seconds"]
 
     def row(self, name: str, target_tps: float) -> dict:
         tps = self.new_tokens / self.wall_time if self.wall_time else math.nan
@@ -111,6 +116,8 @@ class PolicyTotals:
             "speedup_vs_target": tps / target_tps if target_tps and not math.isnan(target_tps) else nan,
             "batch_size": self.batch_size,
             "peak_mib": self.peak_mib,
+            # the machine's speed when its runs were timed (``machine.speed_probe``; NaN for older logs)
+            "speed_probe": self.probe_x_seconds / self.probed_seconds if self.probed_seconds else nan,
         }
 
 
@@ -197,6 +204,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     totals = {s.name: PolicyTotals() for s in specs}
     correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
     warm = set()  # policies warmed up in this process
+    probe = None  # taken once, before the first fresh run
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
@@ -209,6 +217,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                 if any(r is None for r in found):
                     if target is None:
                         target, draft = models()
+                    if probe is None:
+                        probe = round(speed_probe(str(next(target.parameters()).dtype).removeprefix("torch.")), 1)
                     ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
@@ -220,7 +230,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     for i, (p, record) in enumerate(zip(group, fresh)):
                         if found[i] is None:
                             found[i] = record
-                            runs.add({"problem": p.id, "policy": spec.name, "settings": key, **record})
+                            runs.add({"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
+                                      **record})
                     note = f"{spec.name}: {sum(r['new_tokens'] for r in fresh)} tok in " \
                            f"{sum(r['seconds'] for r in fresh):.1f}s"
                 else:
@@ -368,7 +379,8 @@ COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acc
            ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
            ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("accuracy_vs_target", "accuracy - target [95% CI]", None),
            ("new_tokens", "new tokens", "{}"),
-           ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}")]
+           ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}"),
+           ("speed_probe", "probe GFLOP/s", "{:.0f}")]
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -384,8 +396,23 @@ def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, key, fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
     note = ("Accuracy differences are in points, against the target alone on the same problems, with the exact "
-            "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ).")
+            "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ). Probe: the "
+            "machine's speed on a fixed matmul when the row's runs were timed (`pad.evaluation.machine.speed_probe`,"
+            " weighted by run time; n/a for runs logged before it existed).")
+    spread = probe_spread(rows)
+    if spread > PROBE_TOLERANCE:
+        note += (f"\n\n**The probes differ by {spread:.0%} between rows: those rows were timed on machines of "
+                 f"different speed (or beside another job), so their tokens/s do not compare.**")
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+PROBE_TOLERANCE = 0.05  # run-to-run noise of the probe on one idle machine is a few percent
+
+
+def probe_spread(rows: list[dict]) -> float:
+    """max / min - 1 of the rows' speed probes (0 when fewer than two rows have one)."""
+    probes = [r["speed_probe"] for r in rows if not math.isnan(r["speed_probe"])]
+    return max(probes) / min(probes) - 1 if len(probes) > 1 else 0.0
 
 
 def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = False) -> list[Path]:

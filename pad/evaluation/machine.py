@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -55,3 +57,25 @@ def machine_line(with_commit: bool = True) -> str:
             f"{torch.backends.cpu.get_cpu_capability()}, {device}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}"
             + (f"; commit {commit()}" if with_commit else ""))
+
+
+def speed_probe(dtype: str = "bfloat16", repeats: int = 10) -> float:
+    """GFLOP/s of one fixed matmul at torch's current thread count, the median of ``repeats`` timings.
+
+    The shape, [144, 1536] @ [1536, 8960], is a batched verification step's MLP up-projection (16 rows x 9
+    tokens against the default target's). Two cloud instances with the same machine line can differ by 10%
+    in speed, and a job running beside a benchmark halves it; a run log keeps this figure beside each run so
+    that tables built from several sessions can tell (the median, not the best, so that contention shows).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(144, 1536, generator=g).to(getattr(torch, dtype))
+    b = torch.randn(1536, 8960, generator=g).to(getattr(torch, dtype))
+    a @ b  # warm-up: first-call dispatch and page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * 144 * 1536 * 8960 / statistics.median(times) / 1e9
