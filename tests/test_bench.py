@@ -143,6 +143,23 @@ def test_each_policy_warms_up_before_its_first_timed_run(tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_the_speed_probe_is_retaken_as_a_run_goes_on(tmp_path, monkeypatch):
+    target, draft, tok, problems = _bench_setup()
+    specs = bench.parse_policies("target,exact")
+    taken = []
+    monkeypatch.setattr(bench, "speed_probe", lambda dtype: taken.append(dtype) or 100.0 + len(taken))
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False)
+    bench.run("gsm8k", problems, target, draft, tok, specs, log=tmp_path / "a.jsonl", **kwargs)
+    assert taken == ["float32"]  # once: the run is far shorter than PROBE_EVERY
+    assert {json.loads(line)["speed_probe"] for line in (tmp_path / "a.jsonl").read_text().splitlines()} == {101.0}
+    taken.clear()
+    monkeypatch.setattr(bench, "PROBE_EVERY", 0.0)  # every fresh group of runs takes its own
+    bench.run("gsm8k", problems, target, draft, tok, specs, log=tmp_path / "b.jsonl", **kwargs)
+    records = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert len(taken) == len(records) == 2 * len(problems)
+    assert sorted(r["speed_probe"] for r in records) == [101.0 + i for i in range(len(records))]
+
+
 def test_runs_of_another_decode_version_are_not_reused(tmp_path, monkeypatch):
     target, draft, tok, problems = _bench_setup()
     specs = bench.parse_policies("exact")

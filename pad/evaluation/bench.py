@@ -25,6 +25,11 @@ HF_POLICIES = ("hf-assisted", "hf-target")  # transformers' own generate, as bas
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
 # on GPUs, kernel compilation stay out of the timings).
 WARMUP_TOKENS = 8
+# Speed probe (``machine.speed_probe``) of the timed runs: retaken every PROBE_EVERY seconds, so that a job
+# started beside a long benchmark shows within a few runs; rows whose probes differ by more than PROBE_TOLERANCE
+# (the probe's spread on one idle machine is a few percent) were timed at different speeds.
+PROBE_EVERY = 300.0
+PROBE_TOLERANCE = 0.05
 
 
 @dataclass
@@ -204,7 +209,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     totals = {s.name: PolicyTotals() for s in specs}
     correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
     warm = set()  # policies warmed up in this process
-    probe = None  # taken once, before the first fresh run
+    probe, probed_at = None, -math.inf  # the speed probe, retaken every PROBE_EVERY seconds of fresh runs
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
@@ -217,8 +222,9 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                 if any(r is None for r in found):
                     if target is None:
                         target, draft = models()
-                    if probe is None:
+                    if time.monotonic() - probed_at > PROBE_EVERY:
                         probe = round(speed_probe(str(next(target.parameters()).dtype).removeprefix("torch.")), 1)
+                        probed_at = time.monotonic()
                     ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
@@ -406,7 +412,6 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-PROBE_TOLERANCE = 0.05  # run-to-run noise of the probe on one idle machine is a few percent
 
 
 def probe_spread(rows: list[dict]) -> float:
