@@ -234,10 +234,10 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
                                        num_draft_tokens, max_new_tokens, eos, draft_stop=draft_stop)
                     for i, (p, record) in enumerate(zip(group, fresh)):
-                        if found[i] is None:
-                            found[i] = record
-                            runs.add({"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
-                                      **record})
+                        if found[i] is None:  # counted as logged, so a table from the log alone is the same
+                            found[i] = {"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
+                                        **record}
+                            runs.add(found[i])
                     note = f"{spec.name}: {sum(r['new_tokens'] for r in fresh)} tok in " \
                            f"{sum(r['seconds'] for r in fresh):.1f}s"
                 else:
