@@ -56,7 +56,7 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     clean = bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 0), **kwargs)
     lines = log.read_text().splitlines()
     assert len(lines) == 9
-    probes = {json.loads(line)["speed_probe"] for line in lines}  # one probe a process, beside every run
+    probes = {json.loads(line)["speed_probe"] for line in lines}  # beside every run; one, as the run is short
     assert len(probes) == 1 and probes.pop() > 0
     # Each record keeps the reply it was scored on, and the score follows from it.
     for record in map(json.loads, lines):
