@@ -412,8 +412,6 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-
-
 def probe_spread(rows: list[dict]) -> float:
     """max / min - 1 of the rows' speed probes (0 when fewer than two rows have one)."""
     probes = [r["speed_probe"] for r in rows if not math.isnan(r["speed_probe"])]
