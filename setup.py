@@ -35,7 +35,8 @@ def extensions():
     arch = os.environ.get("PAD_CPU_ARCH", "native")
     if arch != "none":
         cxx.append(f"-march={arch}")
-    exts = [CppExtension("pad_kernels._cpu", ["csrc/cpu/verify_block_cpu.cpp", "csrc/cpu/emulate_cuda.cpp"], include_dirs=INCLUDE,
+    exts = [CppExtension("pad_kernels._cpu", ["csrc/cpu/verify_block_cpu.cpp", "csrc/cpu/emulate_cuda.cpp",
+                                                 "csrc/cpu/gqa_attention_cpu.cpp"], include_dirs=INCLUDE,
                          extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
     want_cuda = os.environ.get("PAD_BUILD_CUDA", "auto").lower()
     has_cuda = torch.version.cuda is not None and CUDA_HOME is not None

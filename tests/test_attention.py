@@ -1,10 +1,12 @@
-"""pad.decoding.attention: the grouped-query SDPA path gives the logits of transformers' sdpa, without repeat_kv."""
+"""pad.decoding.attention: the grouped-query SDPA path and the fused CPU path give the logits of transformers'
+sdpa, without repeat_kv."""
 import copy
 
 import pytest
 import torch
 
-from pad.decoding.attention import NAME, use_gqa_sdpa
+from pad.decoding.attention import FUSED_NAME, NAME, use_gqa_sdpa
+from pad_kernels import attention
 from pad.decoding.hf import forward_tail, returned_cache
 from tiny import tiny_model
 
@@ -41,7 +43,29 @@ def test_gqa_sdpa_equals_sdpa(arch, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not attention.available(), reason="the C++ CPU extension is not built")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_cpu_equals_sdpa(arch, monkeypatch):
+    seed = {"llama": 13, "qwen2": 14}[arch]
+    plain = tiny_model(arch, seed=seed)
+    fast = copy.deepcopy(plain)
+    assert use_gqa_sdpa(fast, fused_cpu=True) and fast.config._attn_implementation == FUSED_NAME
+    want = _ragged_forward(plain, seed)
+    calls = []
+    kernel = attention.gqa_attention
+    monkeypatch.setattr(attention, "gqa_attention", lambda q, *a, **k: calls.append(q.shape[2]) or kernel(q, *a, **k))
+    got = _ragged_forward(fast, seed)
+    assert calls == [10, 10, 3, 3]  # the masked prefill and the 3-token step, 2 layers each
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Switching back to the grouped SDPA path takes the kernel out again.
+    assert use_gqa_sdpa(fast) and fast.config._attn_implementation == NAME
+    calls.clear()
+    torch.testing.assert_close(_ragged_forward(fast, seed), want, rtol=1e-5, atol=1e-5)
+    assert calls == []
+
+
 def test_other_attention_left_alone():
     model = tiny_model("llama")
     model.set_attn_implementation("eager")
     assert not use_gqa_sdpa(model) and model.config._attn_implementation == "eager"
+    assert not use_gqa_sdpa(model, fused_cpu=True) and model.config._attn_implementation == "eager"

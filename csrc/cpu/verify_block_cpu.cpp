@@ -205,8 +205,13 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
                          at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy, int64_t splits,
                          int64_t split_len, int64_t race_splits, int64_t race_split_len, int64_t threads);
 
+// csrc/cpu/gqa_attention_cpu.cpp
+void gqa_attention_out(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& mask, double scale, at::Tensor& out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pad_kernels C++ CPU backend of verify_block";
+  m.doc() = "pad_kernels C++ CPU backend of verify_block, and grouped-query attention for few-token steps";
   m.def("verify_block_out", &verify_block_cpu_out, "Fused verification of one block into preallocated outputs");
   m.def("emulate_cuda_verify", &emulate_cuda_verify, "The CUDA backend's kernels, simulated block by block on the CPU");
+  m.def("gqa_attention_out", &gqa_attention_out, "Grouped-query attention of a few new tokens per row");
 }
