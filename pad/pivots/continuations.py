@@ -16,8 +16,13 @@ Guessed tokens (prompt lookup): a continuation mostly repeats the text it branch
 step feeds a row its last token plus up to ``lookahead`` tokens copied from the job's ``lookup`` tokens
 (after the latest place where the row's last tokens occur there) and keeps the longest guessed prefix the
 target's argmax agrees with, plus the target's own next token: the tokens are exactly greedy decoding's,
-only fewer forwards. Rejected guesses become holes of the cache. On a CPU with native bf16 a forward
-over 5 tokens a row costs about 1.25x one over 1 (16 rows, 400 cached columns; ``bench/forward_cost.py``).
+only fewer forwards. Rejected guesses become holes of the cache. Guesses pay only where a forward over
+a few more tokens a row costs little more: at 64 rows of 700 cached columns on a 2-core AMD EPYC with
+AVX-512 BF16, 1, 2 and 3 tokens a row cost 0.80, 1.44 and 1.93 s (``python bench/attention_cost.py
+--shapes 64x1x700,64x2x700,64x3x700``), so there guesses must be right more often than they are.
+
+The running batch keeps its cache in layers that grow in place (``Decoder(..., grow_in_place=True)``): a
+step writes its new columns after the old ones instead of copying the whole cache.
 """
 from __future__ import annotations
 
@@ -92,7 +97,7 @@ class Continuations:
         self.device = next(model.parameters()).device
         self.capture = LayerCapture(model, layer)
         self.capture.keep = 2
-        self.main = Decoder(model, vocab, 0)
+        self.main = Decoder(model, vocab, 0, grow_in_place=True)
         # The job of each row of the running batch; None for a finished row, which stays in the batch (fed
         # holes) until the next join removes it, so that the cache is copied once per join, not per finish.
         self.rows: list[Job | None] = []
@@ -127,7 +132,7 @@ class Continuations:
                 if live:
                     self.main.select(live)
                 else:
-                    self.main = Decoder(self.model, self.vocab, 0)
+                    self.main = Decoder(self.model, self.vocab, 0, grow_in_place=True)
                 self.rows = [self.rows[r] for r in live]
             joining, self.queue = self.queue[:room], self.queue[room:]
             return self._join(joining)
