@@ -178,7 +178,13 @@ def _label(args) -> int:
     if args.start < 0:
         raise ValueError("--start must be at least 0")
     if args.method == "search":
+        from .decoding.attention import use_gqa_sdpa
         from .pivots import search
+
+        # A decision is taken on the text at hand whichever kernel computed it (bf16 rounding can differ
+        # from SDPA's): the labeler takes the faster fused CPU attention where it applies.
+        use_gqa_sdpa(target, fused_cpu=True)
+        use_gqa_sdpa(draft, fused_cpu=True)
 
         def outcome(tokens, p):
             return tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))

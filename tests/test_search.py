@@ -6,10 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pad.decoding.attention import FUSED_NAME, use_gqa_sdpa
 from pad.decoding.hf import LayerCapture, eos_ids
 from pad.evaluation.tasks import Problem
 from pad.pivots import search
-from pad_kernels import verify_block
+from pad_kernels import attention, verify_block
 from tiny import greedy_from_scratch, tiny_pair
 
 CFG = search.SearchConfig(layer=-1, max_new_tokens=14, batch=4)
@@ -22,9 +23,15 @@ def _outcome(tokens):
     return key, key != 0
 
 
-@pytest.fixture(scope="module")
-def setup():
+# Both attention paths the labeler can run on: grouped SDPA, and the fused CPU kernel the CLI switches to.
+ATTENTION = ["sdpa", "fused_cpu"] if attention.available() else ["sdpa"]
+
+
+@pytest.fixture(scope="module", params=ATTENTION)
+def setup(request):
     target, draft = tiny_pair("llama", scale=0.5)
+    if request.param == "fused_cpu":
+        assert use_gqa_sdpa(target, fused_cpu=True) and use_gqa_sdpa(draft, fused_cpu=True)
     g = torch.Generator().manual_seed(0)
     problems = [Problem(f"p{i}", "q", "0") for i in range(6)]
     prompts = [torch.randint(0, 96, (1, 3 + i % 3), generator=g) for i in range(6)]
@@ -106,13 +113,17 @@ def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path, monkeypat
     assert summary["records"] == sum(len(t["position"]) for t in tensors.values())
 
 
-def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_path):
+def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_path, monkeypatch):
     target, draft, problems, prompts = setup
+    calls = []
+    kernel = attention.gqa_attention
+    monkeypatch.setattr(attention, "gqa_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     for b in (1, 4):
         # One problem at a time without guessed tokens, against batched with them.
         cfg = search.SearchConfig(layer=-1, max_new_tokens=14, batch=b, lookahead=0 if b == 1 else 4)
         search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False)
     _assert_same_labels(tmp_path / "b1", tmp_path / "b4")
+    assert bool(calls) == (target.config._attn_implementation == FUSED_NAME)  # the path under test ran
 
 
 def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):

@@ -297,7 +297,8 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                 decisions += t not in _TEXT_JOBS
                 advance(p)
                 bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
-                                rows=engine.running, tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
+                                rows=engine.running, forwards=engine.forwards,
+                                tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
             admit()
             if time.perf_counter() - saved >= GREEDY_SAVE_SECONDS:
                 save_greedy()
