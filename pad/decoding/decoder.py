@@ -51,7 +51,7 @@ def growing_cache(keys_values=()):
 def growing_layer_class():
     """transformers' ``DynamicLayer`` with spare columns: its keys and values are views of the first n
     columns of larger buffers, and an update writes the new columns after them, where ``DynamicLayer``
-    concatenates (a copy of the whole cache per forward: with 64 rows of 1,000 columns, 1.6 GB per forward
+    concatenates (a copy of the whole cache per forward: with 64 rows of 1,000 columns, 1.8 GB per forward
     of the default target, plus the page faults of fresh allocations that large). Anything that replaces
     the keys and values (row selection, compaction, new rows) is taken over at the next update with one
     copy into new buffers; cropping keeps the views and the buffers."""
