@@ -13,24 +13,17 @@ decoding 16 rows x 9 tokens (K = 8).
 """
 import argparse
 import platform
-import statistics
-import time
 
 import torch
 
 from pad.decoding.attention import use_gqa_sdpa
 from pad.decoding.hf import crop_cache, forward_tail, text_config
+from pad.evaluation.machine import median_seconds
 from pad_kernels.attention import gqa_attention
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats, warmup=1) * 1e3
 
 
 def _mask(B: int, T: int, S: int, g) -> torch.Tensor:

@@ -18,6 +18,7 @@ import time
 import torch
 
 from pad.decoding.hf import crop_cache, forward_tail, returned_cache
+from pad.evaluation.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, load
 
 
@@ -55,12 +56,7 @@ def main():
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> None:

@@ -59,6 +59,18 @@ def machine_line(with_commit: bool = True) -> str:
             + (f"; commit {commit()}" if with_commit else ""))
 
 
+def median_seconds(fn, repeats: int, warmup: int = 0) -> float:
+    """The median wall time of ``repeats`` calls of ``fn()``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def speed_probe(dtype: str = "bfloat16", repeats: int = 10) -> float:
     """GFLOP/s of one fixed matmul at torch's current thread count, the median of ``repeats`` timings.
 
@@ -72,10 +84,5 @@ def speed_probe(dtype: str = "bfloat16", repeats: int = 10) -> float:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(144, 1536, generator=g).to(getattr(torch, dtype))
     b = torch.randn(1536, 8960, generator=g).to(getattr(torch, dtype))
-    a @ b  # warm-up: first-call dispatch and page faults
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * 144 * 1536 * 8960 / statistics.median(times) / 1e9
+    # One warm-up call: first-call dispatch and page faults.
+    return 2 * 144 * 1536 * 8960 / median_seconds(lambda: a @ b, repeats, warmup=1) / 1e9
