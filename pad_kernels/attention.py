@@ -4,7 +4,7 @@
 key/value head) reads that head's cached keys and values once for all G * T queries it serves (G query
 heads, T new tokens), in fp32 whatever the input dtype, and skips column tiles no query of the task may
 see. SDPA's CPU kernels read the cache once per query head with T queries each; on two cores of an
-AVX-512 AMD EPYC, 64 rows x 3 new tokens after 700 bf16 columns (12 query heads over 2) took 12 ms a
+AVX-512 AMD EPYC, 64 rows x 3 new tokens after 700 bf16 columns (12 query heads over 2) took 10 ms a
 layer against SDPA's 24 (``python bench/attention_cost.py``). ``gqa_attention_ref`` is the spec.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     return (query.device.type == "cpu" and key.device.type == "cpu" and value.device.type == "cpu"
             and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and key.dtype == query.dtype and value.dtype == query.dtype and key.shape == value.shape
+            and key.shape[0] == B and key.shape[3] == D
             and Hkv > 0 and Hq % Hkv == 0 and (Hq // Hkv) * T <= MAX_QUERIES and D % 4 == 0
             and tuple(mask.shape) == (B, 1, T, S) and mask.device.type == "cpu"
             and query.stride(3) == 1 and key.stride(3) == 1 and value.stride(3) == 1)

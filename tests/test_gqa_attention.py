@@ -109,6 +109,8 @@ def test_refuses_what_it_does_not_take():
     assert not attention.supports(q, k, v, mask.long())  # additive or integer masks go to SDPA
     assert not attention.supports(q, k, v, None)
     assert not attention.supports(q, k.double(), v, mask)
+    assert not attention.supports(q, k[:, :, :, :4], v[:, :, :, :4], mask)  # another head dim
+    assert not attention.supports(q.expand(2, 4, 2, 8), k, v, mask.expand(2, 1, 2, 10))  # rows differ
     assert not attention.supports(q[..., :6], k[..., :6], v[..., :6], mask)  # D not a multiple of 4
     assert not attention.supports(q, k[:, :1].expand(1, 3, 10, 8), v[:, :1].expand(1, 3, 10, 8), mask)  # 4 % 3
     big = torch.zeros(1, 8, 65, 8)  # G * T = 520 > 512

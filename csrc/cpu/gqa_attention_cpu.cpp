@@ -48,8 +48,8 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   }
 }
 
-// acc[c][i] = sum_x a[x][lanes i] * b[x][c] for c < 4: the shared micro-kernel of both products.
-// a: [X][Mp] (queries in lanes, from lane offset 0), b: 4 rows of X scalars, strided by ``b_row``.
+// acc[c][i] += sum_x a[x][lanes i] * b[c * b_row + x * b_x] for c < 4: the micro-kernel of both products.
+// a: [X][Mp] (queries in lanes, from lane offset 0), b: 4 rows of X scalars.
 // Scores: a = scaled queries [D][Mp], b = key rows of 4 columns; values: a = weights [n][Mp], b = the
 // values of 4 dims over the tile's columns (row stride 1 element, column stride D).
 template <int NV>

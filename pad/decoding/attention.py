@@ -12,10 +12,11 @@ same attention with ``enable_gqa=True`` in those forwards; everything else goes 
 
 ``use_gqa_sdpa(model, fused_cpu=True)`` goes one step further on the CPU: forwards of a few new tokens per
 row over a masked cache run ``pad_kernels.attention.gqa_attention`` (a C++ kernel that reads each
-key/value head once for all the query heads and tokens it serves, about twice SDPA's speed at the search
-labeler's shapes), the rest as above. Its fp32 sums differ from SDPA's in rounding only, which in bf16 can
-flip a near-tied argmax, so the decode path that benchmarks log keeps SDPA; the search labeler, whose
-records do not depend on which kernel ran, takes the fused one.
+key/value head once for all the query heads and tokens it serves: 2.4x SDPA's speed for one layer at the
+search labeler's shapes, ``python bench/attention_cost.py``), the rest as above. Its fp32 sums differ from
+SDPA's in rounding only, which in bf16 can flip a near-tied argmax, so the decode path that benchmark run
+logs record keeps SDPA (switching it is a new ``DECODE_VERSION``); the search labeler, whose decisions are
+taken on the text at hand whichever kernel computed it, takes the fused one.
 """
 from __future__ import annotations
 
