@@ -48,6 +48,13 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   }
 }
 
+// n cache rows of D elements, ``stride`` apart, as fp32 rows of ``dst`` [n4][D]; rows n..n4 are zeros.
+template <typename T>
+inline void load_tile(const T* src, int64_t stride, int64_t n, int64_t n4, int64_t D, float* dst) {
+  for (int64_t s = 0; s < n; ++s) to_float(src + s * stride, dst + s * D, D);
+  std::fill(dst + n * D, dst + n4 * D, 0.0f);
+}
+
 // acc[c][i] += sum_x a[x][lanes i] * b[c * b_row + x * b_x] for c < 4: the micro-kernel of both products.
 // a: [X][Mp] (queries in lanes, from lane offset 0), b: 4 rows of X scalars.
 // Scores: a = scaled queries [D][Mp], b = key rows of 4 columns; values: a = weights [n][Mp], b = the
@@ -121,10 +128,7 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
         live[tl] = any;
         float* st = sc.data() + s0 * Mp;
         if (!any) continue;
-        for (int64_t s = 0; s < n4; ++s) {
-          if (s < n) to_float(kb + (s0 + s) * ks[2], tile.data() + s * D, D);
-          else std::fill_n(tile.data() + s * D, D, 0.0f);
-        }
+        load_tile(kb + s0 * ks[2], ks[2], n, n4, D, tile.data());
         for (int64_t i = 0; i < nv; i += kBlock) {
           const float* a = qt.data() + i * kLanes;
           float* o = st + i * kLanes;
@@ -174,10 +178,7 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
       for (int64_t tl = 0; tl < tiles; ++tl) {
         if (!live[tl]) continue;
         const int64_t s0 = tl * kTile, n = std::min(kTile, S - s0), n4 = (n + 3) / 4 * 4;
-        for (int64_t s = 0; s < n4; ++s) {
-          if (s < n) to_float(vb + (s0 + s) * vs[2], tile.data() + s * D, D);
-          else std::fill_n(tile.data() + s * D, D, 0.0f);
-        }
+        load_tile(vb + s0 * vs[2], vs[2], n, n4, D, tile.data());
         const float* p = sc.data() + s0 * Mp;
         for (int64_t i = 0; i < nv; i += kBlock) {
           float* o = acc_t.data() + i * kLanes;
