@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from .decoding.generate import POLICIES
 from .decoding.policy import DEFAULT_SIGMA
@@ -13,6 +15,7 @@ from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PROG = "pad-decoding"
+INTERRUPTED = 130  # the shell's code for a job stopped by Ctrl-C
 
 
 def _set_threads(args) -> None:
@@ -314,7 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv=None) -> int:
+    """Run one command; returns its exit code (2: a clear error, ``INTERRUPTED``: Ctrl-C or SIGTERM)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -322,11 +330,22 @@ def main(argv=None) -> int:
         from .evaluation.machine import default_dtype
 
         args.dtype = default_dtype()
+    # Job launchers stop work with SIGTERM (and a background job of a script ignores Ctrl-C's SIGINT): leave
+    # the way Ctrl-C does, so a labeler saves the texts it is decoding and a benchmark keeps its logged runs.
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resumes = "; the same command goes on from what was saved" if args.func in (_label, _bench) else ""
+        print(f"{PROG}: interrupted{resumes}", file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        if main_thread:  # None: a handler set outside Python, which cannot be put back; the default then
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The command line decodes with local model folders and refuses tokenizers that differ."""
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -207,3 +210,50 @@ def test_bench_start_skips_the_problems_before_it(folders, tmp_path, capsys):
     for start, limit in (("3", "3"), ("-1", "2")):
         assert main(args + ["--start", start, "--limit", limit]) == 2
         assert "--start must be at least 0 and below --limit" in capsys.readouterr().err
+
+
+def test_terminated_label_job_saves_its_texts_and_the_same_command_resumes(folders, tmp_path, monkeypatch, capsys):
+    """SIGTERM, how job launchers stop work, leaves the way Ctrl-C does: the greedy texts being decoded are
+    saved, the exit code is 130, and the same command finishes with the records of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from pad.pivots import search
+
+    argv = ["label", "--method", "search", "--task", "gsm8k", "--data", SAMPLE, "--limit", "4", "--max-new-tokens",
+            "40", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32",
+            "--layer", "-1", "--batch", "3", "--out"]
+    assert main([*argv, str(tmp_path / "clean")]) == 0
+    monkeypatch.setattr(search, "GREEDY_SAVE_SECONDS", float("inf"))  # nothing saved but on the way out
+    real_step, steps = search.Continuations.step, {"n": 0}
+
+    def terminated_step(self):  # a join, then 2 steps: the first greedy texts are half decoded
+        steps["n"] += 1
+        if steps["n"] == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self)
+
+    monkeypatch.setattr(search.Continuations, "step", terminated_step)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "terminated"
+    capsys.readouterr()
+    assert main([*argv, str(out)]) == 130
+    assert "interrupted; the same command goes on" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    index = out / "index-0of1.jsonl"
+    assert steps["n"] == 4 and not (index.exists() and index.read_text())  # stopped before a problem finished
+    saved = [load_file(str(f)) for f in (out / "partial").glob("*.safetensors")]
+    assert len(saved) == 3 and all(int(t["pos"]) == -1 and 0 < len(t["text"]) < 40 for t in saved)
+    monkeypatch.setattr(search.Continuations, "step", real_step)
+    assert main([*argv, str(out)]) == 0
+    assert not list((out / "partial").glob("*"))
+
+    def records(folder):
+        index = sorted((json.loads(line) for line in (folder / "index-0of1.jsonl").read_text().splitlines()),
+                       key=lambda r: r["index"])
+        return [({**r, "seconds": 0}, r["file"] and load_file(str(folder / r["file"]))) for r in index]
+
+    for (a, ta), (b, tb) in zip(records(tmp_path / "clean"), records(out), strict=True):
+        assert a == b and (ta.keys() == tb.keys() if ta else tb == ta)
+        for k in ta or {}:  # features of a resumed text come from one prefill, not step by step: fp32 order
+            exact = not ta[k].is_floating_point()
+            torch.testing.assert_close(tb[k], ta[k], rtol=0, atol=0 if exact else 1e-3, msg=k)
