@@ -1,13 +1,12 @@
 """Pivot labeling on tiny random models with a stub utility: labels follow the rule, and a job killed
 mid-way resumes without losing or duplicating a record."""
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pad.evaluation.tasks import Problem
 from pad.pivots import label
+from label_folders import read_labels
 from tiny import greedy_from_scratch, tiny_pair
 
 CFG = label.LabelConfig(layer=-1, max_new_tokens=14, max_rollout_tokens=6)
@@ -27,18 +26,12 @@ def setup():
     return target, draft, problems, prompts
 
 
-def _read(out):
-    index = [json.loads(line) for line in (out / "index-0of1.jsonl").read_text().splitlines()]
-    tensors = {r["problem"]: load_file(str(out / r["file"])) for r in index if r["file"]}
-    return index, tensors
-
-
 @pytest.mark.parametrize("rollouts", [0, 2])
 def test_labels_follow_the_rollout_rule(setup, tmp_path, rollouts):
     target, draft, problems, prompts = setup
     cfg = label.LabelConfig(layer=-1, max_new_tokens=14, max_rollout_tokens=6, rollouts=rollouts)
     summary = label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path, cfg, progress=False)
-    index, tensors = _read(tmp_path)
+    index, tensors = read_labels(tmp_path)
     assert [r["problem"] for r in index] == [p.id for p in problems]
     assert summary["records"] == sum(r["records"] for r in index) > 0
     labels = torch.cat([t["label"] for t in tensors.values()])
@@ -83,15 +76,15 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(setup, tmp_path):
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         label.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
-    partial, _ = _read(out)
+    partial, _ = read_labels(out)
     assert 0 < len(partial) < len(problems)
     with open(out / "index-0of1.jsonl", "a") as f:
         f.write('{"problem": "p9", "ind')  # and a torn index line, as a kill during the write leaves
     summary = label.run(problems, prompts, [_stub_utility] * 6, target, draft, out, CFG, progress=False)
     assert summary["skipped_done"] == len(partial)
-    index, tensors = _read(out)
+    index, tensors = read_labels(out)
     assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)  # each exactly once
-    _, expected = _read(clean)
+    _, expected = read_labels(clean)
     assert tensors.keys() == expected.keys()
     for pid in expected:
         for key in expected[pid]:
@@ -102,7 +95,7 @@ def test_start_skips_the_first_problems(setup, tmp_path):
     target, draft, problems, prompts = setup
     label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / "all", CFG, progress=False)
     label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / "late", CFG, progress=False, start=4)
-    (all_index, all_tensors), (index, tensors) = _read(tmp_path / "all"), _read(tmp_path / "late")
+    (all_index, all_tensors), (index, tensors) = read_labels(tmp_path / "all"), read_labels(tmp_path / "late")
     assert index == [{**r, "seconds": index[i]["seconds"]} for i, r in enumerate(all_index[4:])]
     for pid, t in tensors.items():
         assert all(torch.equal(t[k], all_tensors[pid][k]) for k in t)
@@ -131,7 +124,7 @@ def test_only_draft_wrong_labels_exactly_the_problems_the_draft_gets_wrong(setup
     label.run(problems, prompts, [utility] * 6, target, draft, tmp_path / "all", CFG, progress=False)
     cfg = label.LabelConfig(**{**CFG.__dict__, "only_draft_wrong": True})
     label.run(problems, prompts, [utility] * 6, target, draft, tmp_path / "some", cfg, progress=False)
-    (all_index, all_tensors), (index, tensors) = _read(tmp_path / "all"), _read(tmp_path / "some")
+    (all_index, all_tensors), (index, tensors) = read_labels(tmp_path / "all"), read_labels(tmp_path / "some")
     with torch.inference_mode():
         wrong = [not utility(greedy_from_scratch(draft, p[0].tolist(), CFG.max_new_tokens, eos_ids(target, None)))
                  for p in prompts]
@@ -154,7 +147,7 @@ def test_label_features_equal_verify_blocks_own_features(setup, tmp_path):
 
     target, draft, problems, prompts = setup
     label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path, CFG, progress=False)
-    index, tensors = _read(tmp_path)
+    index, tensors = read_labels(tmp_path)
     checked = 0
     with torch.inference_mode():
         for problem, prompt in zip(problems, prompts):
@@ -196,7 +189,7 @@ def test_batched_greedy_decodes_write_the_same_records(setup, tmp_path):
     for b in (1, 4):
         label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False,
                   decode_batch=b)
-    (i1, t1), (i4, t4) = _read(tmp_path / "b1"), _read(tmp_path / "b4")
+    (i1, t1), (i4, t4) = read_labels(tmp_path / "b1"), read_labels(tmp_path / "b4")
     assert [{**r, "seconds": 0} for r in i1] == [{**r, "seconds": 0} for r in i4]
     assert t1.keys() == t4.keys() and sum(r["records"] for r in i1) > 0
     for pid in t1:

@@ -1,6 +1,5 @@
 """The path-following (search) labeler on tiny models with a stub outcome: it takes exactly the decisions
 a plain, cacheless walk of the rule takes, batched or not, and a killed job resumes without loss."""
-import json
 
 import pytest
 import torch
@@ -11,10 +10,10 @@ from pad.decoding.hf import LayerCapture, eos_ids
 from pad.evaluation.tasks import Problem
 from pad.pivots import search
 from pad_kernels import attention, verify_block
+from label_folders import assert_same_labels, read_labels
 from tiny import greedy_from_scratch, tiny_pair
 
 CFG = search.SearchConfig(layer=-1, max_new_tokens=14, batch=4)
-INTS = ("position", "same_answer", "correct_before", "correct_after", "label", "generated", "mismatches")
 
 
 def _outcome(tokens):
@@ -36,21 +35,6 @@ def setup(request):
     problems = [Problem(f"p{i}", "q", "0") for i in range(6)]
     prompts = [torch.randint(0, 96, (1, 3 + i % 3), generator=g) for i in range(6)]
     return target, draft, problems, prompts
-
-
-def _read(out):
-    index = [json.loads(line) for line in (out / "index-0of1.jsonl").read_text().splitlines()]
-    return index, {r["problem"]: load_file(str(out / r["file"])) for r in index if r["file"]}
-
-
-def _assert_same_labels(a, b):
-    """Two folders hold the same problems, each once, with the same index lines (but the seconds) and records."""
-    (ia, ta), (ib, tb) = _read(a), _read(b)
-    strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
-    assert strip(ia) == strip(ib) and ta.keys() == tb.keys()
-    for pid in ta:
-        for k in ta[pid]:
-            torch.testing.assert_close(tb[pid][k], ta[pid][k], rtol=0, atol=0 if k in INTS else 1e-3)
 
 
 @torch.inference_mode()
@@ -90,7 +74,7 @@ def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path, monkeypat
     monkeypatch.setattr(search, "DRAFT_CHUNK", chunk)
     target, draft, problems, prompts = setup
     summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path, CFG, progress=False)
-    index, tensors = _read(tmp_path)
+    index, tensors = read_labels(tmp_path)
     assert [r["problem"] for r in sorted(index, key=lambda r: r["index"])] == [p.id for p in problems]
     kinds = switched = 0
     for problem, prompt in zip(problems, prompts):
@@ -122,7 +106,7 @@ def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_pat
         # One problem at a time without guessed tokens, against batched with them.
         cfg = search.SearchConfig(layer=-1, max_new_tokens=14, batch=b, lookahead=0 if b == 1 else 4)
         search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False)
-    _assert_same_labels(tmp_path / "b1", tmp_path / "b4")
+    assert_same_labels(tmp_path / "b1", tmp_path / "b4")
     assert bool(calls) == (target.config._attn_implementation == FUSED_NAME)  # the path under test ran
 
 
@@ -146,7 +130,7 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
     out = tmp_path / "killed"
     with pytest.raises(KeyboardInterrupt):
         search.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
-    partial, _ = _read(out)
+    partial, _ = read_labels(out)
     assert 0 < len(partial) < 6
     in_flight = [int(load_file(str(f))["pos"]) for f in (out / "partial").glob("*.safetensors")]
     assert in_flight and max(in_flight) >= 0
@@ -162,8 +146,8 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
     # one outcome per resumed text (a greedy text saved unfinished, position -1, has had none yet).
     assert resumed["n"] == total["n"] - (calls["n"] - 1) + sum(pos >= 0 for pos in in_flight)
     assert not list((out / "partial").glob("*"))
-    assert sorted(r["problem"] for r in _read(out)[0]) == sorted(p.id for p in problems)  # each once
-    _assert_same_labels(tmp_path / "clean", out)
+    assert sorted(r["problem"] for r in read_labels(out)[0]) == sorted(p.id for p in problems)  # each once
+    assert_same_labels(tmp_path / "clean", out)
 
 
 def test_criteria():
@@ -219,5 +203,5 @@ def test_greedy_texts_cut_short_go_on_from_where_they_were_saved(setup, tmp_path
         assert job.budget == CFG.max_new_tokens - len(saved[i])
     assert not [job for job in submitted if job.key[1] is None and job.key[0] in saved]
     assert not list((out / "partial").glob("*"))
-    assert sorted(r["problem"] for r in _read(out)[0]) == sorted(p.id for p in problems)  # each once
-    _assert_same_labels(tmp_path / "clean", out)
+    assert sorted(r["problem"] for r in read_labels(out)[0]) == sorted(p.id for p in problems)  # each once
+    assert_same_labels(tmp_path / "clean", out)
