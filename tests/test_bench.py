@@ -277,6 +277,21 @@ def test_coinciding_points_share_one_label():
         (4.0, 0.5, "target"), (7.0, 0.45, "typical"), (7.001, 0.5, "exact = pivot@0.15"), (7.1, 0.5, "fly")]
 
 
+def test_a_rules_settings_at_one_k_form_one_curve():
+    nan = float("nan")
+    rows = [{"policy": name, "accuracy": acc, "mean_accepted_length": tpf}
+            for name, acc, tpf in (("target", 0.6, 1.0), ("exact K=8", 0.6, 6.6), ("hf-assisted K=8", 0.6, 6.6),
+                                   ("typical K=8", 0.49, 8.2), ("typical@0.3,0.6 K=8", 0.58, 7.0),
+                                   ("threshold@0.4 K=8", 0.63, 6.75), ("threshold@0.2 K=8", 0.55, 7.3),
+                                   ("threshold@0.2 K=16", 0.5, 9.9), ("pivot@0.3 K=8", 0.58, 7.2),
+                                   ("pivot@0.15 K=8", 0.61, 6.7), ("pivot@0.5 K=8", 0.5, nan),
+                                   ("fly K=8", 0.52, 7.4))]
+    assert bench.rule_curves(rows, "mean_accepted_length") == {
+        "typical K=8": [(7.0, 0.58), (8.2, 0.49)],
+        "threshold K=8": [(6.75, 0.63), (7.3, 0.55)],
+        "pivot K=8": [(6.7, 0.61), (7.2, 0.58)]}  # fly and threshold at K=16 have one point each
+
+
 def test_speed_probe_rows_and_their_spread(monkeypatch):
     def record(seconds, probe=None):
         return {"correct": True, "new_tokens": 10, "seconds": seconds, "target_forwards": 2, "drafted": 8,

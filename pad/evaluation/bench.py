@@ -447,10 +447,25 @@ def point_labels(rows, key: str) -> list[tuple[float, float, str]]:
     return [(x, y, " = ".join(names)) for x, y, names in points.values()]
 
 
+def rule_curves(rows, key: str) -> dict[str, list[tuple[float, float]]]:
+    """The settings of each relaxed rule at one K, as points sorted along ``key``: ``{"threshold K=8": [(x, y),
+    ...]}``, only rules with two or more settings. The plot joins them so each rule reads as a curve on the
+    accuracy/speed plane; target, draft, exact and the hf-* baselines are single points."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        x, y = r[key], r["accuracy"]
+        name, _, k = r["policy"].partition(" ")  # "typical@0.09,0.3 K=16" -> "typical@0.09,0.3", "K=16"
+        rule = name.split("@")[0]
+        if rule in ("target", "draft", "exact") or rule in HF_POLICIES or isinstance(x, float) and math.isnan(x):
+            continue
+        curves.setdefault(f"{rule} {k}".strip(), []).append((x, y))
+    return {rule: sorted(points) for rule, points in curves.items() if len(points) > 1}
+
+
 def _plot(rows, path: Path, title: str) -> Path:
     """Accuracy against tokens/s and against tokens per target forward, every policy one point (its paired
     interval as an error bar, shifted by the target's accuracy); target and exact marked, the settings of one
-    rule in one colour."""
+    rule in one colour and joined by a line (one line per K)."""
     try:
         import matplotlib
 
@@ -478,6 +493,9 @@ def _plot(rows, path: Path, title: str) -> Path:
                 ax.errorbar(x, y, yerr=[[max(0.0, y - (base + r["accuracy_vs_target_low"]))],
                                         [max(0.0, base + r["accuracy_vs_target_high"] - y)]],
                             fmt="none", ecolor="grey", alpha=0.5, zorder=2)
+        for rule, points in rule_curves(rows, key).items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, c=colours[rule.split()[0]], lw=0.8, alpha=0.6, zorder=1)
         for x, y, text in point_labels(rows, key):
             ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel(label)
