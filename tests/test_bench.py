@@ -287,9 +287,9 @@ def test_a_rules_settings_at_one_k_form_one_curve():
                                    ("pivot@0.15 K=8", 0.61, 6.7), ("pivot@0.5 K=8", 0.5, nan),
                                    ("fly K=8", 0.52, 7.4))]
     assert bench.rule_curves(rows, "mean_accepted_length") == {
-        "typical K=8": [(7.0, 0.58), (8.2, 0.49)],
-        "threshold K=8": [(6.75, 0.63), (7.3, 0.55)],
-        "pivot K=8": [(6.7, 0.61), (7.2, 0.58)]}  # fly and threshold at K=16 have one point each
+        ("typical", "K=8"): [(7.0, 0.58), (8.2, 0.49)],
+        ("threshold", "K=8"): [(6.75, 0.63), (7.3, 0.55)],
+        ("pivot", "K=8"): [(6.7, 0.61), (7.2, 0.58)]}  # fly and threshold at K=16 have one point each
 
 
 def test_speed_probe_rows_and_their_spread(monkeypatch):

@@ -389,10 +389,14 @@ COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acc
            ("speed_probe", "probe GFLOP/s", "{:.0f}")]
 
 
+def _missing(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)  # a row without this figure (the draft's tokens per forward)
+
+
 def markdown(rows: list[dict], header: str) -> str:
     def cell(row, key, fmt):
         value = row[key]
-        if isinstance(value, float) and math.isnan(value):
+        if _missing(value):
             return "n/a"
         if key == "accuracy_vs_target":  # points, with the paired interval
             return (f"{100 * value:+.1f} [{100 * row['accuracy_vs_target_low']:+.1f}, "
@@ -434,6 +438,12 @@ def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = 
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
+def _rule_and_k(policy: str) -> tuple[str, str]:
+    """A table row's policy -> its rule and K: ``"typical@0.09,0.3 K=16"`` -> ``("typical", "K=16")``."""
+    name, _, k = policy.partition(" ")
+    return name.split("@")[0], k
+
+
 def point_labels(rows, key: str) -> list[tuple[float, float, str]]:
     """One ``(x, y, label)`` per point of the plot against ``key``; policies whose points coincide (to the
     precision the tables print: x to 2 decimals, accuracy to 0.1 point) share one label ``"a = b"``, so their
@@ -441,25 +451,24 @@ def point_labels(rows, key: str) -> list[tuple[float, float, str]]:
     points: dict[tuple[float, float], list] = {}
     for r in rows:
         x, y = r[key], r["accuracy"]
-        if isinstance(x, float) and math.isnan(x):
+        if _missing(x):
             continue
         points.setdefault((round(x, 2), round(y, 3)), [x, y, []])[2].append(r["policy"])
     return [(x, y, " = ".join(names)) for x, y, names in points.values()]
 
 
-def rule_curves(rows, key: str) -> dict[str, list[tuple[float, float]]]:
-    """The settings of each relaxed rule at one K, as points sorted along ``key``: ``{"threshold K=8": [(x, y),
+def rule_curves(rows, key: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """The settings of each relaxed rule at one K, as points sorted along ``key``: ``{("threshold", "K=8"): [(x, y),
     ...]}``, only rules with two or more settings. The plot joins them so each rule reads as a curve on the
     accuracy/speed plane; target, draft, exact and the hf-* baselines are single points."""
-    curves: dict[str, list[tuple[float, float]]] = {}
+    curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in rows:
         x, y = r[key], r["accuracy"]
-        name, _, k = r["policy"].partition(" ")  # "typical@0.09,0.3 K=16" -> "typical@0.09,0.3", "K=16"
-        rule = name.split("@")[0]
-        if rule in ("target", "draft", "exact") or rule in HF_POLICIES or isinstance(x, float) and math.isnan(x):
+        rule, k = _rule_and_k(r["policy"])
+        if rule in ("target", "draft", "exact") or rule in HF_POLICIES or _missing(x):
             continue
-        curves.setdefault(f"{rule} {k}".strip(), []).append((x, y))
-    return {rule: sorted(points) for rule, points in curves.items() if len(points) > 1}
+        curves.setdefault((rule, k), []).append((x, y))
+    return {rule_k: sorted(points) for rule_k, points in curves.items() if len(points) > 1}
 
 
 def _plot(rows, path: Path, title: str) -> Path:
@@ -480,9 +489,9 @@ def _plot(rows, path: Path, title: str) -> Path:
                            (axes[1], "mean_accepted_length", "tokens per target forward")):
         for r in rows:
             x, y = r[key], r["accuracy"]
-            if isinstance(x, float) and math.isnan(x):
+            if _missing(x):
                 continue
-            rule = r["policy"].split()[0].split("@")[0]  # "typical@0.09,0.3 K=16" -> "typical": one colour a rule
+            rule, _ = _rule_and_k(r["policy"])  # one colour a rule
             style = {"target": dict(marker="s", s=70, c="black"), "exact": dict(marker="D", s=60, c="tab:red")}.get(
                 rule, dict(marker="o", s=35, c=colours.setdefault(rule, PALETTE[len(colours) % len(PALETTE)])))
             ax.scatter(x, y, zorder=3, **style)
@@ -493,9 +502,9 @@ def _plot(rows, path: Path, title: str) -> Path:
                 ax.errorbar(x, y, yerr=[[max(0.0, y - (base + r["accuracy_vs_target_low"]))],
                                         [max(0.0, base + r["accuracy_vs_target_high"] - y)]],
                             fmt="none", ecolor="grey", alpha=0.5, zorder=2)
-        for rule, points in rule_curves(rows, key).items():
+        for (rule, _), points in rule_curves(rows, key).items():
             xs, ys = zip(*points)
-            ax.plot(xs, ys, c=colours[rule.split()[0]], lw=0.8, alpha=0.6, zorder=1)
+            ax.plot(xs, ys, c=colours[rule], lw=0.8, alpha=0.6, zorder=1)
         for x, y, text in point_labels(rows, key):
             ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel(label)
