@@ -250,13 +250,14 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
     rows = [{"policy": name, "problems": 10, "accuracy": acc, "acceptance_rate": nan, "mean_accepted_length": tpf,
              "target_forwards_per_token": 1 / tpf, "new_tokens": 100, "tokens_per_s": tps, "speedup_vs_target": 1.0,
              "batch_size": 1, "peak_mib": nan, "accuracy_vs_target": acc - 0.5, "accuracy_vs_target_low": low,
-             "accuracy_vs_target_high": high, "speed_probe": 300.0}
-            for name, acc, tpf, tps, low, high in (("target", 0.5, 1.0, 4.0, 0.0, 0.0),
-                                                  ("exact", 0.5, 2.5, 7.0, 0.0, 0.0),
-                                                  ("typical@0.09,0.3", 0.45, 3.1, 8.0, -0.15, 0.05))]
+             "accuracy_vs_target_high": high, "lost_vs_target": lost, "gained_vs_target": gained,
+             "speed_probe": 300.0}
+            for name, acc, tpf, tps, low, high, lost, gained in (
+                ("target", 0.5, 1.0, 4.0, 0.0, 0.0, 0, 0), ("exact", 0.5, 2.5, 7.0, 0.0, 0.0, 1, 1),
+                ("typical@0.09,0.3", 0.45, 3.1, 8.0, -0.15, 0.05, 2, 1))]
     paths = bench.write(rows, tmp_path, "t", "header line", plot=True)
     text = paths[1].read_text()
-    assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0]" in text and "exact McNemar" in text
+    assert "| typical@0.09,0.3 |" in text and "-5.0 [-15.0, +5.0] | 2 / 1 |" in text and "exact McNemar" in text
     assert "| 300 |" in text and "do not compare" not in text
     png = paths[2].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -264,7 +265,8 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
     # in float lies 1 ulp above it
     edge = [dict(rows[0], accuracy=67 / 80), dict(rows[2], policy="threshold@0.4", accuracy=66 / 80,
                                                   accuracy_vs_target=-1 / 80, accuracy_vs_target_low=-1 / 80,
-                                                  accuracy_vs_target_high=0.95 / 80)]
+                                                  accuracy_vs_target_high=0.95 / 80, lost_vs_target=1,
+                                                  gained_vs_target=0)]
     assert 66 / 80 - (67 / 80 - 1 / 80) < 0
     assert bench.write(edge, tmp_path, "edge", "header line", plot=True)[2].read_bytes()[:4] == b"\x89PNG"
 
@@ -305,7 +307,8 @@ def test_speed_probe_rows_and_their_spread(monkeypatch):
     old.add(record(5.0))
     assert math.isnan(old.row("target", 1.0)["speed_probe"])
     rows = [{**t.row("exact", 1.0), "accuracy_vs_target": 0.0, "accuracy_vs_target_low": 0.0,
-             "accuracy_vs_target_high": 0.0, "speed_probe": p} for p in (300.0, 330.0, math.nan)]
+             "accuracy_vs_target_high": 0.0, "lost_vs_target": 0, "gained_vs_target": 0, "speed_probe": p}
+            for p in (300.0, 330.0, math.nan)]
     assert bench.probe_spread(rows) == pytest.approx(0.10)
     assert "differ by 10% between rows" in bench.markdown(rows, "h")
     assert "do not compare" not in bench.markdown(rows[::2], "h") and bench.probe_spread(rows[2:]) == 0.0

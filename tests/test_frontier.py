@@ -75,6 +75,9 @@ def test_frontier_joins_the_logs_of_two_k(tmp_path, seed):
         assert cells[5] == f"{tps:.2f}" and cells[6] == f"{tps / tps_target:.2f}x"
         d, lo, hi = paired_difference([r["correct"] for r in runs], [r["correct"] for r in target])
         assert cells[7] == f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        lost = sum(t["correct"] and not r["correct"] for r, t in zip(runs, target))
+        gained = sum(r["correct"] and not t["correct"] for r, t in zip(runs, target))
+        assert cells[8] == f"{lost} / {gained}" and lost - gained == round(-d * n)
     assert (tmp_path / "f.md").is_file() and (tmp_path / "f.csv").is_file()
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

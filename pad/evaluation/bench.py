@@ -254,13 +254,17 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
 def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]) -> list[dict]:
     """One ``PolicyTotals.row`` per policy, in the order of ``totals``, each with its speedup over and its
     accuracy difference from the policy named "target" (paired over the same problems: ``correct[name]``
-    lists every policy's outcomes in one order); NaN where there is no target."""
+    lists every policy's outcomes in one order), split into the problems it lost (the target right, the
+    policy wrong) and gained (the reverse); NaN where there is no target."""
     target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
     rows = [t.row(name, target_tps) for name, t in totals.items()]
     for row in rows:
         diff, low, high = (paired_difference(correct[row["policy"]], correct["target"])
                            if "target" in correct else (math.nan,) * 3)
         row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high)
+        pairs = list(zip(correct[row["policy"]], correct["target"])) if "target" in correct else None
+        row.update(lost_vs_target=sum(t and not c for c, t in pairs) if pairs else math.nan,
+                   gained_vs_target=sum(c and not t for c, t in pairs) if pairs else math.nan)
     return rows
 
 
@@ -384,6 +388,7 @@ COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acc
            ("mean_accepted_length", "tokens / target forward", "{:.2f}"),
            ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
            ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("accuracy_vs_target", "accuracy - target [95% CI]", None),
+           ("lost_vs_target", "lost / gained", None),
            ("new_tokens", "new tokens", "{}"),
            ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}"),
            ("speed_probe", "probe GFLOP/s", "{:.0f}")]
@@ -401,12 +406,15 @@ def markdown(rows: list[dict], header: str) -> str:
         if key == "accuracy_vs_target":  # points, with the paired interval
             return (f"{100 * value:+.1f} [{100 * row['accuracy_vs_target_low']:+.1f}, "
                     f"{100 * row['accuracy_vs_target_high']:+.1f}]")
+        if key == "lost_vs_target":
+            return f"{value} / {row['gained_vs_target']}"
         return fmt.format(value)
 
     lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, key, fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
     note = ("Accuracy differences are in points, against the target alone on the same problems, with the exact "
-            "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ). Probe: the "
+            "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ); lost / gained: the "
+            "problems the target solves and the policy does not, and the reverse. Probe: the "
             "machine's speed on a fixed matmul when the row's runs were timed (`pad.evaluation.machine.speed_probe`,"
             " weighted by run time; n/a for runs logged before it existed).")
     spread = probe_spread(rows)
