@@ -54,8 +54,8 @@ def null_continuations(target, vocab: int, eos: set[int], prompts: list[list[int
                     # before t - 1, which the greedy job's cache holds (all but its last token).
                     spots = rng.sample(range(len(text) - 1), min(positions, max(0, len(text) - 1)))
                     bar.total += len(spots)
+                    full = prompts[i] + text
                     for t in spots:
-                        full = prompts[i] + text
                         n = len(prompts[i]) + t - 1
                         prefix = None if n == 0 else tuple([x[:, :n] for x in part] for part in done.cache)
                         engine.submit(Job(key=(i, t), prefix=prefix, first=[full[n], full[n + 1]],

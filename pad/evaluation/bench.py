@@ -259,12 +259,15 @@ def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]
     target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
     rows = [t.row(name, target_tps) for name, t in totals.items()]
     for row in rows:
-        diff, low, high = (paired_difference(correct[row["policy"]], correct["target"])
-                           if "target" in correct else (math.nan,) * 3)
-        row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high)
-        pairs = list(zip(correct[row["policy"]], correct["target"])) if "target" in correct else None
-        row.update(lost_vs_target=sum(t and not c for c, t in pairs) if pairs else math.nan,
-                   gained_vs_target=sum(c and not t for c, t in pairs) if pairs else math.nan)
+        if "target" in correct:
+            ours, theirs = correct[row["policy"]], correct["target"]
+            diff, low, high = paired_difference(ours, theirs)
+            lost = sum(t and not c for c, t in zip(ours, theirs))
+            gained = sum(c and not t for c, t in zip(ours, theirs))
+        else:
+            diff = low = high = lost = gained = math.nan
+        row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high,
+                   lost_vs_target=lost, gained_vs_target=gained)
     return rows
 
 
