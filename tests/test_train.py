@@ -216,3 +216,42 @@ def test_auto_keeps_the_kind_with_the_higher_cross_validated_auroc(tmp_path):
     assert "Kind chosen by cross-validated AUROC" in text and "95% bootstrap interval over problems" in text
     with pytest.raises(ValueError, match="unknown model"):
         train.select_and_train(data, meta, train.TrainConfig(model="forest"), folds=3, progress=False)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_within_problem_auroc_counts_only_pairs_of_one_problem(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 90
+    problems = torch.randint(0, 7, (n,), generator=g)
+    scores = torch.randint(0, 6, (n,), generator=g).float()  # ties
+    labels = torch.randint(0, 2, (n,), generator=g)
+    same = problems[:, None] == problems[None]
+    pair = same & (labels[:, None] == 1) & (labels[None] == 0)
+    win = (scores[:, None] > scores[None]).double() + 0.5 * (scores[:, None] == scores[None]).double()
+    area, pairs = train.within_problem_auroc(scores, labels, problems)
+    assert pairs == int(pair.sum())
+    assert area == pytest.approx(float(win[pair].mean()), abs=1e-12)
+
+
+def test_a_score_that_only_knows_the_problem_is_chance_within_problems():
+    problems = torch.arange(6).repeat_interleave(10)
+    labels = (torch.arange(60) % 10 < problems + 1).long()  # problem k has k + 1 pivots of 10
+    fragility = problems.float()  # ranks fragile problems first, says nothing inside one
+    assert train.auroc(fragility, labels) > 0.7
+    assert train.within_problem_auroc(fragility, labels, problems) == (0.5, sum((k + 1) * (9 - k) for k in range(6)))
+    area, pairs = train.within_problem_auroc(fragility, torch.zeros(60, dtype=torch.long), problems)
+    assert pairs == 0 and area != area  # no pairs: NaN
+
+
+def test_cross_validation_reports_within_problem_auroc(tmp_path):
+    _planted(tmp_path / "labels", problems=8)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    data["token_prob"] = torch.where(data["label"].bool(), 0.2, 0.7).half()  # perfect inside every problem too
+    cv = train.cross_validate(data, meta, train.TrainConfig(epochs=2), folds=2, progress=False)
+    inside = cv["within_problems"]
+    assert inside["pairs"] == train.within_problem_auroc(data["entropy"].float(), data["label"], data["problem"])[1]
+    assert inside["auroc"]["1 - p_target(token)"] == 1.0 and set(inside["auroc"]) == {"classifier", *cv["baselines"]}
+    text = train.report_markdown({**train.train(data, meta, train.TrainConfig(epochs=2), progress=False)[1],
+                                  "label_meta": meta, "cross_validation": cv})
+    assert f"Within problems (only the {inside['pairs']} pivot / non-pivot pairs" in text
+    assert "1 - p_target(token) AUROC 1.000" in text.split("Within problems")[1]

@@ -119,6 +119,24 @@ def auroc(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | No
     return float(area[0]) if weights is None or weights.dim() == 1 else area
 
 
+def within_problem_auroc(scores: torch.Tensor, labels: torch.Tensor, problems: torch.Tensor) -> tuple[float, int]:
+    """AUROC over the (pivot, non-pivot) pairs of the same problem only -> (area, pairs); NaN without pairs.
+
+    A decode chooses between the mismatches of the problem at hand: a score that only knows which problems
+    are fragile (many pivots) ranks well pooled over problems and no better than chance here. scores,
+    labels, problems: [N]; each problem's AUROC weighted by its number of pairs, ties counted half.
+    """
+    area, pairs = 0.0, 0
+    for p in problems.unique():
+        m = problems == p
+        n_pos = int((labels[m] == 1).sum())
+        n = n_pos * (int(m.sum()) - n_pos)
+        if n:
+            area += auroc(scores[m], labels[m]) * n
+            pairs += n
+    return (area / pairs if pairs else math.nan), pairs
+
+
 def single_features(data: dict) -> dict[str, torch.Tensor]:
     """Each stored feature as a pivot score, oriented so that higher means "more likely a pivot" by its
     meaning (a less likely or more uncertain token), not by the labels."""
@@ -330,6 +348,8 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
                                    # classifier minus best feature; the bootstrap stores feature - classifier
                                    "difference_ci": sorted(-v for v in boot["difference_ci"]["best single feature"])},
            "bootstrap_resamples": cfg.bootstrap, "sigmas": sigma_table(prob, labels)}
+    within = {name: within_problem_auroc(s, labels, data["problem"]) for name, s in {"classifier": prob, **features}.items()}
+    out["within_problems"] = {"pairs": within["classifier"][1], "auroc": {n: a for n, (a, _) in within.items()}}
     if all(k in data for k in OUTCOMES):
         # What the out-of-fold scores would do to the answers (pad.pivots.replay), beside the threshold rule
         # on p_target(token); problems read without a decision count as unchanged.
@@ -407,6 +427,11 @@ def report_markdown(report: dict) -> str:
             lines += ["", f"Best single feature: {best['name']} ({fmt(best['auroc'])}); the classifier minus it: "
                           f"{best['difference']:+.3f}, 95% interval {ci(best['difference_ci'])} "
                           f"({cv['bootstrap_resamples']} resamples of problems)."]
+        inside = cv.get("within_problems")
+        if inside:
+            lines += ["", f"Within problems (only the {inside['pairs']} pivot / non-pivot pairs of the same problem, "
+                          "the choice a decode faces): " + ", ".join(
+                              f"{name} AUROC {fmt(v)}" for name, v in inside["auroc"].items()) + "."]
         lines += ["", *_sigma_lines(cv["sigmas"], fmt)]
         rep = cv.get("replay")
         if rep:

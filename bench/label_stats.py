@@ -1,0 +1,96 @@
+"""What search labels say about accepted mismatches, read from the label folders alone (no model).
+
+For the texts the target answers right (the ones an acceptance rule can lose): the pivot rate by
+``p_target(token)``, how many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are
+spread over problems; for the texts it answers wrong, how often a draft token turns them right. Then each
+single feature's AUROC pooled over problems and within problems, beside the score that knows only how
+fragile a problem is (the pivot rate of its other decisions).
+
+    python bench/label_stats.py labels/gsm8k-train-search labels/gsm8k-train-search-fp32
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from pad.evaluation.bench import clopper_pearson
+from pad.pivots.train import auroc, load_shards, single_features, within_problem_auroc
+
+P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
+
+
+def _rate(x: int, m: int) -> str:
+    if not m:
+        return "n/a"
+    lo, hi = clopper_pearson(x, m)
+    return f"{x}/{m} = {x / m:.1%} [{lo:.1%}, {hi:.1%}]"
+
+
+def problem_pivot_rate(labels: torch.Tensor, problems: torch.Tensor) -> torch.Tensor:
+    """Each decision's score: the pivot rate of the other decisions of its problem (0 when it has none) [N]."""
+    _, inv = problems.unique(return_inverse=True)
+    count = torch.bincount(inv).double()
+    pivots = torch.bincount(inv, weights=labels.double())
+    return (pivots[inv] - labels.double()) / (count[inv] - 1).clamp_min(1)
+
+
+def stats(data: dict, taus=(0.2, 0.4)) -> dict:
+    """data: ``load_shards`` of search folders -> the figures ``markdown`` prints."""
+    y, p, prob = data["label"].long(), data["token_prob"].float(), data["problem"]
+    right = data["correct_before"] == 1
+    ids, inv = prob.unique(return_inverse=True)
+    per = lambda mask: torch.zeros(len(ids), dtype=torch.long).index_add_(0, inv[mask], torch.ones(int(mask.sum()), dtype=torch.long))  # noqa: E731
+    right_problems = per(right) > 0
+    pivots = per(right & (y == 1))[right_problems]
+    out = {"problems": len(ids), "right": int(right_problems.sum()), "decisions": len(y), "pivots": int(y.sum()),
+           "right_decisions": int(right.sum()), "right_pivots": int(y[right].sum()),
+           "by_p": [(lo, hi, int((y[m] == 1).sum()), int(m.sum()))
+                    for lo, hi in zip(P_EDGES, P_EDGES[1:]) for m in [right & (p >= lo) & (p < hi)]],
+           "meet": {tau: int((per(right & (y == 1) & (p >= tau))[right_problems] > 0).sum()) for tau in taus},
+           "pivots_per_right": torch.bincount(pivots).tolist(),
+           "wrong_decisions": int((~right).sum()), "wrong_to_right": int((data["correct_after"][~right] == 1).sum())}
+    top = pivots.sort(descending=True).values
+    quarter = max(1, len(top) // 4)
+    out["top_quarter_share"] = (int(top[:quarter].sum()), int(top.sum()))
+    out["auroc"] = {name: (auroc(s, y), within_problem_auroc(s, y, prob)[0]) for name, s in single_features(data).items()}
+    # Within a problem this score only leaks each decision's own label (left out of its rate): no within figure.
+    out["auroc"]["problem's pivot rate (other decisions)"] = (auroc(problem_pivot_rate(y, prob), y), None)
+    return out
+
+
+def markdown(s: dict, criterion: str) -> str:
+    n_right = s["right"]
+    lines = [f"{s['problems']} problems with decisions ({n_right} right texts, {s['problems'] - n_right} wrong), "
+             f"{s['decisions']} decisions, {s['pivots']} pivots ({criterion}).", "",
+             f"Right texts: {_rate(s['right_pivots'], s['right_decisions'])} of decisions are pivots.", "",
+             "| p_target(token) | pivots / decisions on right texts [95% CI] |", "|---|---|"]
+    lines += [f"| [{lo:g}, {hi:g}) | {_rate(x, m)} |" for lo, hi, x, m in s["by_p"]]
+    lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: {_rate(k, n_right)}."
+                     for tau, k in s["meet"].items()]
+    hist = s["pivots_per_right"]
+    top, total = s["top_quarter_share"]
+    lines += ["", f"Pivots per right text: none on {hist[0] if hist else 0}, at most {len(hist) - 1}; the quarter of right "
+                  f"texts with the most hold {top} of {total}.",
+              "", f"Wrong texts: {_rate(s['wrong_to_right'], s['wrong_decisions'])} of decisions turn the answer right.",
+              "", "| score | AUROC pooled | AUROC within problems |", "|---|---|---|"]
+    lines += [f"| {name} | {a:.3f} | {'n/a' if w is None else f'{w:.3f}'} |" for name, (a, w) in s["auroc"].items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", help="search label folders")
+    ap.add_argument("--criterion", default="same-answer", choices=("same-answer", "correct"))
+    args = ap.parse_args(argv)
+    data, meta = load_shards(args.dirs, criterion=args.criterion)
+    if "correct_before" not in data:
+        ap.error("these folders hold no outcomes: label them with --method search")
+    print(f"{meta['problems_read']} problems read from {', '.join(args.dirs)}")
+    print(markdown(stats(data), args.criterion))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

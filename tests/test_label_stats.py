@@ -1,0 +1,57 @@
+"""bench/label_stats.py on a hand-made search folder: every figure counted by hand."""
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from pad.pivots import label, train
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "label_stats.py"
+_spec = importlib.util.spec_from_file_location("label_stats", SCRIPT)
+label_stats = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(label_stats)
+
+
+def _folder(out):
+    """Three problems: two right texts (a: pivots at p 0.3 and 0.02; b: none) and a wrong one (c: one of its
+    two decisions turns it right)."""
+    writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2,
+                                             "method": "search"})
+    problems = {  # p_target(token), same_answer, correct_before, correct_after per decision
+        "a": ([0.3, 0.15, 0.02], [0, 1, 0], 1, [0, 1, 0]),
+        "b": ([0.45, 0.25], [1, 1], 1, [1, 1]),
+        "c": ([0.1, 0.35], [0, 1], 0, [1, 0]),
+    }
+    for i, (pid, (p, same, before, after)) in enumerate(problems.items()):
+        n = len(p)
+        t = {"hidden": torch.randn(n, 4).half(), "token_prob": torch.tensor(p).half(),
+             "entropy": torch.rand(n).half(), "draft_prob": torch.rand(n).half(), "draft_entropy": torch.rand(n).half(),
+             "position": torch.arange(n, dtype=torch.int32), "same_answer": torch.tensor(same, dtype=torch.int8),
+             "correct_before": torch.full((n,), before, dtype=torch.int8),
+             "correct_after": torch.tensor(after, dtype=torch.int8), "mismatches": torch.tensor([n], dtype=torch.int32)}
+        t["label"] = (1 - t["same_answer"]).to(torch.int8)
+        writer.write(i, pid, t, 1.0)
+
+
+def test_stats_of_a_hand_made_folder(tmp_path, capsys):
+    _folder(tmp_path)
+    data, _ = train.load_shards([tmp_path])
+    s = label_stats.stats(data, taus=(0.2, 0.4))
+    assert (s["problems"], s["right"], s["decisions"], s["pivots"]) == (3, 2, 7, 3)
+    assert (s["right_decisions"], s["right_pivots"]) == (5, 2)
+    by_p = {lo: (x, m) for lo, _, x, m in s["by_p"]}
+    assert by_p == {0.0: (1, 1), 0.05: (0, 0), 0.1: (0, 1), 0.2: (0, 1), 0.3: (1, 1), 0.4: (0, 1), 0.5: (0, 0)}
+    assert s["meet"] == {0.2: 1, 0.4: 0}  # a meets its pivot at 0.3
+    assert s["pivots_per_right"] == [1, 0, 1] and s["top_quarter_share"] == (2, 2)
+    assert (s["wrong_decisions"], s["wrong_to_right"]) == (2, 1)
+    # Pivots have p 0.3, 0.02 (a) and 0.1 (c); pooled, 1 - p ranks 10 of 12 pairs right (pair-counted by hand),
+    # within problems a: 0.3 vs 0.15 lost, 0.02 vs 0.15 won; c: 0.1 vs 0.35 won -> 2 of 3.
+    pooled, within = s["auroc"]["1 - p_target(token)"]
+    assert abs(pooled - 10 / 12) < 1e-9 and abs(within - 2 / 3) < 1e-9
+    # Other decisions' pivot rate: a 1/2 (or 2/2 for its non-pivot), b 0, c 0/1 or 1/1.
+    torch.testing.assert_close(label_stats.problem_pivot_rate(data["label"].long(), data["problem"]).float(),
+                               torch.tensor([0.5, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0]))
+    assert label_stats.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Right texts: 2/5 = 40.0% [" in out and "| [0.3, 0.4) | 1/1 = 100.0% [" in out
+    assert "Wrong texts: 1/2 = 50.0% [" in out and "| problem's pivot rate (other decisions) |" in out
