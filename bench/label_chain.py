@@ -87,9 +87,11 @@ def chains(target, draft, vocab: int, eos: set[int], prompts: list[list[int]], o
     return [{k: v for k, v in row.items() if k != "key"} for row in sorted(out, key=lambda x: (x["problem"], x["round"]))]
 
 
-def summary(rows: list[dict]) -> str:
+def summary(rows: list[dict], tau: float = 0.2) -> str:
     """Per round: texts, right ones (of the problems right and wrong in round 0), and the transitions from
-    the round before, with exact 95% intervals; then the pooled transitions of rounds 1 on."""
+    the round before, with exact 95% intervals; then the transitions of rounds 1 on pooled, split by the
+    problem's round 0 and by the accepted token's p_target against ``tau``, and how many derailed problems
+    that were right end right."""
     from pad.evaluation.bench import clopper_pearson
 
     def share(x: int, m: int) -> str:
@@ -119,6 +121,23 @@ def summary(rows: list[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Rounds 1 on, pooled: right -> wrong {share(pooled[0], pooled[1])}, "
                   f"wrong -> right {share(pooled[2], pooled[3])}."]
+    steps = [(start[r["problem"]], prev[(r["problem"], r["round"] - 1)], r) for r in rows if r["round"] > 0]
+    for name, first in (("right", True), ("wrong", False)):
+        was_right = [r for s0, before, r in steps if s0 == first and before]
+        was_wrong = [r for s0, before, r in steps if s0 == first and not before]
+        lines.append(f"Problems {name} in round 0: right -> wrong {share(sum(not r['correct'] for r in was_right), len(was_right))}, "
+                     f"wrong -> right {share(sum(r['correct'] for r in was_wrong), len(was_wrong))}.")
+    for name, keep in ((f">= {tau:g}", lambda p: p >= tau), (f"< {tau:g}", lambda p: p < tau)):
+        derailing = [r for _, before, r in steps if before and keep(r["token_prob"])]
+        lines.append(f"Accepted mismatches with p_target(token) {name} on right texts: right -> wrong "
+                     f"{share(sum(not r['correct'] for r in derailing), len(derailing))}.")
+    last = {}
+    for r in rows:
+        if r["round"] >= last.get(r["problem"], r)["round"]:
+            last[r["problem"]] = r
+    derailed = [p for p, ok in start.items() if ok and any(not r["correct"] for r in rows if r["problem"] == p)]
+    lines.append(f"Problems right in round 0 that were ever wrong: {len(derailed)}; right in their last round: "
+                 f"{sum(last[p]['correct'] for p in derailed)}.")
     return "\n".join(lines)
 
 
@@ -135,7 +154,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--out", help="also write the rows here (JSONL)")
+    ap.add_argument("--summarize", metavar="FILE", help="only print the tables of rows written before with --out")
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summary([json.loads(line) for line in f if line.strip()]))
+        return 0
     if args.rounds < 1 or not 0 <= args.start < args.limit:
         ap.error("need --rounds >= 1 and 0 <= --start < --limit")
 
@@ -158,7 +182,8 @@ def main(argv=None) -> int:
                   rounds=args.rounds, max_new_tokens=args.max_new_tokens, batch=args.batch)
     if args.out:
         with open(args.out, "w") as f:
-            f.writelines(json.dumps({**r, "problem": problems[r["problem"]].id}) + "\n" for r in rows)
+            f.writelines(json.dumps({**r, "problem": problems[r["problem"]].id, "token_prob": None if r["round"] == 0
+                                     else r["token_prob"]}, allow_nan=False) + "\n" for r in rows)
     print(f"{args.task} {args.split} {args.start}-{args.limit - 1}, {args.dtype}, up to {args.rounds} accepted mismatches "
           f"a text, batch {args.batch}, {time.perf_counter() - began:.0f} s; {machine.machine_line()}\n")
     print(summary(rows))

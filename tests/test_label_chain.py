@@ -65,10 +65,29 @@ def test_chains_match_a_cache_free_reference(seed):
 
 def test_summary_counts_transitions():
     # Problem 0: right, wrong, right (derailed, then steered back); problem 1: wrong, wrong.
-    rows = [{"problem": 0, "round": 0, "correct": True}, {"problem": 0, "round": 1, "correct": False},
-            {"problem": 0, "round": 2, "correct": True}, {"problem": 1, "round": 0, "correct": False},
-            {"problem": 1, "round": 1, "correct": False}]
+    nan = float("nan")
+    rows = [{"problem": 0, "round": 0, "correct": True, "token_prob": nan},
+            {"problem": 0, "round": 1, "correct": False, "token_prob": 0.3},
+            {"problem": 0, "round": 2, "correct": True, "token_prob": 0.1},
+            {"problem": 1, "round": 0, "correct": False, "token_prob": nan},
+            {"problem": 1, "round": 1, "correct": False, "token_prob": 0.05}]
     table = label_chain.summary(rows)
     assert "| 0 | 2 | 1/1 = 100.0% [" in table and "| 0/1 = 0.0% [" in table
     assert "| 1 | 2 | 0/1 = 0.0% [" in table
     assert "right -> wrong 1/1 = 100.0% [" in table and "wrong -> right 1/2 = 50.0% [" in table
+    assert "Problems right in round 0: right -> wrong 1/1 = 100.0% [" in table and "wrong -> right 1/1 = 100.0% [" in table
+    assert "Problems wrong in round 0: right -> wrong n/a, wrong -> right 0/1 = 0.0% [" in table
+    assert "p_target(token) >= 0.2 on right texts: right -> wrong 1/1 = 100.0% [" in table
+    assert "p_target(token) < 0.2 on right texts: right -> wrong n/a." in table
+    assert "Problems right in round 0 that were ever wrong: 1; right in their last round: 1." in table
+
+
+def test_summarize_reads_rows_written_before(tmp_path, capsys):
+    import json
+
+    rows = [{"problem": "p0", "round": 0, "correct": True, "token_prob": None},
+            {"problem": "p0", "round": 1, "correct": False, "token_prob": 0.4}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert label_chain.main(["--summarize", str(path)]) == 0
+    assert "right -> wrong 1/1 = 100.0% [" in capsys.readouterr().out
