@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from pad.evaluation import tasks
 from pad.pivots.continuations import Continuations, Job
 
 
@@ -92,50 +93,41 @@ def summary(rows: list[dict], tau: float = 0.2) -> str:
     the round before, with exact 95% intervals; then the transitions of rounds 1 on pooled, split by the
     problem's round 0 and by the accepted token's p_target against ``tau``, and how many derailed problems
     that were right end right."""
-    from pad.evaluation.bench import clopper_pearson
+    from pad.evaluation.bench import share_with_interval
 
-    def share(x: int, m: int) -> str:
-        if not m:
-            return "n/a"
-        lo, hi = clopper_pearson(x, m)
-        return f"{x}/{m} = {x / m:.1%} [{lo:.1%}, {hi:.1%}]"
+    def right(subset):  # the share of right texts in subset
+        return share_with_interval(sum(r["correct"] for r in subset), len(subset))
+
+    def wrong(subset):
+        return share_with_interval(sum(not r["correct"] for r in subset), len(subset))
 
     start = {r["problem"]: r["correct"] for r in rows if r["round"] == 0}
-    prev = {(r["problem"], r["round"]): r["correct"] for r in rows}
+    before = {(r["problem"], r["round"]): r["correct"] for r in rows}
+    # Rounds 1 on: (right in round 0, right the round before, row).
+    steps = [(start[r["problem"]], before[(r["problem"], r["round"] - 1)], r) for r in rows if r["round"] > 0]
     lines = ["| round | texts | right (right in round 0) | right (wrong in round 0) | right -> wrong | wrong -> right |",
              "|---|---|---|---|---|---|"]
-    pooled = [0, 0, 0, 0]  # right->wrong, from right, wrong->right, from wrong
     for rnd in range(max((r["round"] for r in rows), default=-1) + 1):
         now = [r for r in rows if r["round"] == rnd]
-        a = [r for r in now if start[r["problem"]]]
-        b = [r for r in now if not start[r["problem"]]]
-        cells = [str(rnd), str(len(now)), share(sum(r["correct"] for r in a), len(a)), share(sum(r["correct"] for r in b), len(b))]
-        if rnd == 0:
-            cells += ["", ""]
-        else:
-            was_right = [r for r in now if prev[(r["problem"], rnd - 1)]]
-            was_wrong = [r for r in now if not prev[(r["problem"], rnd - 1)]]
-            counts = [sum(not r["correct"] for r in was_right), len(was_right), sum(r["correct"] for r in was_wrong), len(was_wrong)]
-            pooled = [p + c for p, c in zip(pooled, counts)]
-            cells += [share(counts[0], counts[1]), share(counts[2], counts[3])]
+        cells = [str(rnd), str(len(now)), right([r for r in now if start[r["problem"]]]),
+                 right([r for r in now if not start[r["problem"]]])]
+        here = [(was, r) for _, was, r in steps if r["round"] == rnd]
+        cells += [wrong([r for was, r in here if was]), right([r for was, r in here if not was])] if rnd else ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Rounds 1 on, pooled: right -> wrong {share(pooled[0], pooled[1])}, "
-                  f"wrong -> right {share(pooled[2], pooled[3])}."]
-    steps = [(start[r["problem"]], prev[(r["problem"], r["round"] - 1)], r) for r in rows if r["round"] > 0]
+    lines += ["", f"Rounds 1 on, pooled: right -> wrong {wrong([r for _, was, r in steps if was])}, "
+                  f"wrong -> right {right([r for _, was, r in steps if not was])}."]
     for name, first in (("right", True), ("wrong", False)):
-        was_right = [r for s0, before, r in steps if s0 == first and before]
-        was_wrong = [r for s0, before, r in steps if s0 == first and not before]
-        lines.append(f"Problems {name} in round 0: right -> wrong {share(sum(not r['correct'] for r in was_right), len(was_right))}, "
-                     f"wrong -> right {share(sum(r['correct'] for r in was_wrong), len(was_wrong))}.")
+        mine = [(was, r) for s0, was, r in steps if s0 == first]
+        lines.append(f"Problems {name} in round 0: right -> wrong {wrong([r for was, r in mine if was])}, "
+                     f"wrong -> right {right([r for was, r in mine if not was])}.")
     for name, keep in ((f">= {tau:g}", lambda p: p >= tau), (f"< {tau:g}", lambda p: p < tau)):
-        derailing = [r for _, before, r in steps if before and keep(r["token_prob"])]
         lines.append(f"Accepted mismatches with p_target(token) {name} on right texts: right -> wrong "
-                     f"{share(sum(not r['correct'] for r in derailing), len(derailing))}.")
+                     f"{wrong([r for _, was, r in steps if was and keep(r['token_prob'])])}.")
     last = {}
     for r in rows:
         if r["round"] >= last.get(r["problem"], r)["round"]:
             last[r["problem"]] = r
-    derailed = [p for p, ok in start.items() if ok and any(not r["correct"] for r in rows if r["problem"] == p)]
+    derailed = {r["problem"] for r in rows if start[r["problem"]] and not r["correct"]}
     lines.append(f"Problems right in round 0 that were ever wrong: {len(derailed)}; right in their last round: "
                  f"{sum(last[p]['correct'] for p in derailed)}.")
     return "\n".join(lines)
@@ -143,11 +135,7 @@ def summary(rows: list[dict], tau: float = 0.2) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="gsm8k")
-    ap.add_argument("--split", default="train")
-    ap.add_argument("--data", help="JSONL file of the task (default: the data folder)")
-    ap.add_argument("--start", type=int, default=7100, help="first problem (default: past the labeled ones)")
-    ap.add_argument("--limit", type=int, default=7164, help="problems up to this index")
+    tasks.add_problem_arguments(ap, start=7100, limit=7164)  # default: past the labeled problems
     ap.add_argument("--rounds", type=int, default=8, help="mismatches accepted per text at most")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64, help="continuation rows decoded together")
@@ -165,7 +153,7 @@ def main(argv=None) -> int:
 
     from pad.decoding.attention import use_gqa_sdpa
     from pad.decoding.hf import eos_ids, shared_vocab_size
-    from pad.evaluation import machine, tasks
+    from pad.evaluation import machine
     from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
     if args.threads:
@@ -173,10 +161,8 @@ def main(argv=None) -> int:
     target, tokenizer = load(DEFAULT_TARGET, dtype=args.dtype)
     draft, _ = load(DEFAULT_DRAFT, dtype=args.dtype)
     use_gqa_sdpa(target, fused_cpu=True)  # the labeler's attention
-    problems = tasks.load(args.task, args.split, args.data, limit=args.limit)[args.start:]
-    prompts = [tasks.prompt_ids(tokenizer, args.task, p)[0].tolist() for p in problems]
-    outcomes = [lambda tokens, p=p: tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))
-                for p in problems]
+    problems, prompts, outcomes = tasks.prompted_problems(tokenizer, args.task, args.split, args.data, args.start,
+                                                          args.limit)
     began = time.perf_counter()
     rows = chains(target, draft, shared_vocab_size(target, draft), eos_ids(target, None), prompts, outcomes,
                   rounds=args.rounds, max_new_tokens=args.max_new_tokens, batch=args.batch)

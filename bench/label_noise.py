@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from pad.evaluation import tasks
 from pad.pivots.continuations import Continuations, Job
 
 
@@ -73,15 +74,10 @@ def null_continuations(target, vocab: int, eos: set[int], prompts: list[list[int
 
 def summary(rows: list[dict]) -> str:
     """Shares of changed texts and answers, with exact 95% intervals, overall and by the text's correctness."""
-    from pad.evaluation.bench import clopper_pearson
+    from pad.evaluation.bench import share_with_interval
 
     def share(subset, key):
-        m = len(subset)
-        if not m:
-            return "n/a"
-        x = sum(not r[key] for r in subset)
-        lo, hi = clopper_pearson(x, m)
-        return f"{x}/{m} = {x / m:.1%} [{lo:.1%}, {hi:.1%}]"
+        return share_with_interval(sum(not r[key] for r in subset), len(subset))
 
     lines = ["| continuations | text changed | answer changed |", "|---|---|---|"]
     for name, subset in (("all", rows), ("text right", [r for r in rows if r["correct_before"]]),
@@ -92,11 +88,7 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="gsm8k")
-    ap.add_argument("--split", default="train")
-    ap.add_argument("--data", help="JSONL file of the task (default: the data folder)")
-    ap.add_argument("--start", type=int, default=7100, help="first problem (default: past the labeled ones)")
-    ap.add_argument("--limit", type=int, default=7164, help="problems up to this index")
+    tasks.add_problem_arguments(ap, start=7100, limit=7164)  # default: past the labeled problems
     ap.add_argument("--positions", type=int, default=3, help="null continuations per text")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64, help="continuation rows decoded together")
@@ -110,17 +102,15 @@ def main(argv=None) -> int:
 
     from pad.decoding.attention import use_gqa_sdpa
     from pad.decoding.hf import eos_ids
-    from pad.evaluation import machine, tasks
+    from pad.evaluation import machine
     from pad.models.registry import DEFAULT_TARGET, load
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load(args.target or DEFAULT_TARGET, dtype=args.dtype)
     use_gqa_sdpa(target, fused_cpu=True)  # the labeler's attention
-    problems = tasks.load(args.task, args.split, args.data, limit=args.limit)[args.start:]
-    prompts = [tasks.prompt_ids(tokenizer, args.task, p)[0].tolist() for p in problems]
-    outcomes = [lambda tokens, p=p: tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))
-                for p in problems]
+    problems, prompts, outcomes = tasks.prompted_problems(tokenizer, args.task, args.split, args.data, args.start,
+                                                          args.limit)
     began = time.perf_counter()
     rows = null_continuations(target, target.config.vocab_size, eos_ids(target, None), prompts, outcomes,
                               positions=args.positions, max_new_tokens=args.max_new_tokens, batch=args.batch,

@@ -15,17 +15,10 @@ import sys
 
 import torch
 
-from pad.evaluation.bench import clopper_pearson
+from pad.evaluation.bench import share_with_interval
 from pad.pivots.train import auroc, load_shards, single_features, within_problem_auroc
 
 P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
-
-
-def _rate(x: int, m: int) -> str:
-    if not m:
-        return "n/a"
-    lo, hi = clopper_pearson(x, m)
-    return f"{x}/{m} = {x / m:.1%} [{lo:.1%}, {hi:.1%}]"
 
 
 def problem_pivot_rate(labels: torch.Tensor, problems: torch.Tensor) -> torch.Tensor:
@@ -41,7 +34,9 @@ def stats(data: dict, taus=(0.2, 0.4)) -> dict:
     y, p, prob = data["label"].long(), data["token_prob"].float(), data["problem"]
     right = data["correct_before"] == 1
     ids, inv = prob.unique(return_inverse=True)
-    per = lambda mask: torch.zeros(len(ids), dtype=torch.long).index_add_(0, inv[mask], torch.ones(int(mask.sum()), dtype=torch.long))  # noqa: E731
+    def per(mask):  # decisions of each problem within mask [P]
+        return torch.zeros(len(ids), dtype=torch.long).index_add_(0, inv[mask], torch.ones_like(inv[mask]))
+
     right_problems = per(right) > 0
     pivots = per(right & (y == 1))[right_problems]
     out = {"problems": len(ids), "right": int(right_problems.sum()), "decisions": len(y), "pivots": int(y.sum()),
@@ -64,16 +59,17 @@ def markdown(s: dict, criterion: str) -> str:
     n_right = s["right"]
     lines = [f"{s['problems']} problems with decisions ({n_right} right texts, {s['problems'] - n_right} wrong), "
              f"{s['decisions']} decisions, {s['pivots']} pivots ({criterion}).", "",
-             f"Right texts: {_rate(s['right_pivots'], s['right_decisions'])} of decisions are pivots.", "",
+             f"Right texts: {share_with_interval(s['right_pivots'], s['right_decisions'])} of decisions are pivots.", "",
              "| p_target(token) | pivots / decisions on right texts [95% CI] |", "|---|---|"]
-    lines += [f"| [{lo:g}, {hi:g}) | {_rate(x, m)} |" for lo, hi, x, m in s["by_p"]]
-    lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: {_rate(k, n_right)}."
-                     for tau, k in s["meet"].items()]
+    lines += [f"| [{lo:g}, {hi:g}) | {share_with_interval(x, m)} |" for lo, hi, x, m in s["by_p"]]
+    lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: "
+                     f"{share_with_interval(k, n_right)}." for tau, k in s["meet"].items()]
     hist = s["pivots_per_right"]
     top, total = s["top_quarter_share"]
     lines += ["", f"Pivots per right text: none on {hist[0] if hist else 0}, at most {len(hist) - 1}; the quarter of right "
                   f"texts with the most hold {top} of {total}.",
-              "", f"Wrong texts: {_rate(s['wrong_to_right'], s['wrong_decisions'])} of decisions turn the answer right.",
+              "", f"Wrong texts: {share_with_interval(s['wrong_to_right'], s['wrong_decisions'])} of decisions turn the "
+                  "answer right.",
               "", "| score | AUROC pooled | AUROC within problems |", "|---|---|---|"]
     lines += [f"| {name} | {a:.3f} | {'n/a' if w is None else f'{w:.3f}'} |" for name, (a, w) in s["auroc"].items()]
     return "\n".join(lines)

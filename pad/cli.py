@@ -189,10 +189,7 @@ def _label(args) -> int:
         use_gqa_sdpa(target, fused_cpu=True)
         use_gqa_sdpa(draft, fused_cpu=True)
 
-        def outcome(tokens, p):
-            return tasks.outcome(args.task, p, tokenizer.decode(tokens, skip_special_tokens=True))
-
-        outcomes = [lambda tokens, p=problem: outcome(tokens, p) for problem in problems]
+        outcomes = [tasks.token_outcome(tokenizer, args.task, problem) for problem in problems]
         scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch,
                                     lookahead=args.lookahead)
         summary = search.run(problems, prompts, outcomes, target, draft, args.out, scfg, shard=shard, meta=meta,

@@ -145,3 +145,38 @@ def test_data_folders_come_before_the_package_index(tmp_path, monkeypatch):
     assert tasks.data_path("humaneval", "dev") == folder / "humaneval" / "dev.jsonl"
     with pytest.raises(FileNotFoundError, match="pass a JSONL path"):
         tasks.data_path("gsm8k", "dev")  # no packaged copy of GSM8K
+
+
+class _CharTokenizer:
+    """One token per character (its code point): enough to check prompts and outcomes end to end."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, return_tensors="pt", add_special_tokens=False):
+        import torch
+
+        return type("Encoded", (), {"input_ids": torch.tensor([[ord(c) for c in text]])})()
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(map(chr, tokens))
+
+
+def test_prompted_problems_slice_prompts_and_outcomes():
+    import argparse
+
+    tok = _CharTokenizer()
+    problems, prompts, outcomes = tasks.prompted_problems(tok, "gsm8k", "train", DATA / "gsm8k_sample.jsonl", 1, 3)
+    every = tasks.load("gsm8k", "train", DATA / "gsm8k_sample.jsonl", limit=3)
+    assert [p.id for p in problems] == [p.id for p in every[1:3]]
+    assert all("".join(map(chr, ids)) == tok.apply_chat_template(tasks.messages("gsm8k", p))
+               for ids, p in zip(prompts, problems))
+    right = [ord(c) for c in f"so #### {problems[0].reference}"]
+    assert outcomes[0](right) == tasks.outcome("gsm8k", problems[0], f"so #### {problems[0].reference}")
+    assert outcomes[0](right)[1] and not outcomes[0]([ord(c) for c in "so #### 99999999"])[1]
+    ap = argparse.ArgumentParser()
+    tasks.add_problem_arguments(ap, start=5, limit=9)
+    args = ap.parse_args([])
+    assert (args.task, args.split, args.data, args.start, args.limit) == ("gsm8k", "train", None, 5, 9)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--task", "mmlu"])

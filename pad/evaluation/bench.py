@@ -301,6 +301,14 @@ def clopper_pearson(x: int, m: int, level: float = 0.95) -> tuple[float, float]:
     return low, high
 
 
+def share_with_interval(x: int, m: int) -> str:
+    """``x`` of ``m`` as "x/m = 12.3% [lo, hi]" with the exact 95% interval; "n/a" when m is 0."""
+    if not m:
+        return "n/a"
+    lo, hi = clopper_pearson(x, m)
+    return f"{x}/{m} = {x / m:.1%} [{lo:.1%}, {hi:.1%}]"
+
+
 def _binomial_cdf(x: int, m: int, pi: float) -> float:
     """P(X <= x) for X ~ Binomial(m, pi), 0 < pi < 1, summed in log space (no overflow for large m)."""
     log_c = math.lgamma(m + 1)

@@ -224,6 +224,28 @@ def prompt_ids(tokenizer, task: str, problem: Problem):
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
+def token_outcome(tokenizer, task: str, problem: Problem):
+    """``problem``'s outcome as a function of generated token ids: tokens -> (answer key, correct)."""
+    return lambda tokens: outcome(task, problem, tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+def add_problem_arguments(parser, split: str = "train", start: int = 0, limit: int | None = None) -> None:
+    """``--task --split --data --start --limit``: which problems a script reads (``prompted_problems``)."""
+    parser.add_argument("--task", default="gsm8k", choices=TASKS)
+    parser.add_argument("--split", default=split)
+    parser.add_argument("--data", help="JSONL file of the task (default: the data folder)")
+    parser.add_argument("--start", type=int, default=start, help="first problem")
+    parser.add_argument("--limit", type=int, default=limit, help="problems up to this index")
+
+
+def prompted_problems(tokenizer, task: str, split: str, data=None, start: int = 0, limit: int | None = None):
+    """Problems ``start`` to ``limit`` - 1 of a split -> (problems, prompt token ids [P] per problem as lists,
+    outcome per problem: tokens -> (answer key, correct))."""
+    problems = load(task, split, data, limit=limit)[start:]
+    prompts = [prompt_ids(tokenizer, task, p)[0].tolist() for p in problems]
+    return problems, prompts, [token_outcome(tokenizer, task, p) for p in problems]
+
+
 def prompt_fingerprint(task: str) -> str:
     """A short hash of ``task``'s prompt wording: run logs and label folders record it, so that results
     made with another prompt are never mixed in."""
