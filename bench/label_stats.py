@@ -34,6 +34,7 @@ def stats(data: dict, taus=(0.2, 0.4)) -> dict:
     y, p, prob = data["label"].long(), data["token_prob"].float(), data["problem"]
     right = data["correct_before"] == 1
     ids, inv = prob.unique(return_inverse=True)
+
     def per(mask):  # decisions of each problem within mask [P]
         return torch.zeros(len(ids), dtype=torch.long).index_add_(0, inv[mask], torch.ones_like(inv[mask]))
 

@@ -6,10 +6,10 @@ goes on greedily (``same_answer``, ``correct_after``). A rule that accepts a har
 answer and goes on along the walk; a rule that rejects a token keeps the text and its answer; the first
 accepted pivot changes the answer to its continuation's, and the walk tells nothing after it. The replay
 assumes the mismatches after a rejected harmless token (the walk saw them on the continuation) stand for
-those of the kept text, so it is a preview for choosing which thresholds to decode, not a measurement. It also takes the first
-accepted pivot's answer as final, while in decoding later accepted mismatches steer a derailed text back
-about as often as they derail a right one (``bench/label_chain.py``: 15% and 16% a mismatch for the default
-pair), so it overstates what accepting mismatches costs.
+those of the kept text, so it is a preview for choosing which thresholds to decode, not a measurement.
+It also takes the first accepted pivot's answer as final, while in decoding later accepted mismatches steer
+a derailed text back about as often as they derail a right one (``bench/label_chain.py``: 15% and 16% a
+mismatch for the default pair), so it overstates what accepting mismatches costs.
 """
 from __future__ import annotations
 
