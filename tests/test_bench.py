@@ -316,3 +316,24 @@ def test_speed_probe_rows_and_their_spread(monkeypatch):
     clock = iter(i * 0.01 for i in range(100))
     monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
     assert machine.speed_probe("float32") == pytest.approx(2 * 144 * 1536 * 8960 / 0.01 / 1e9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_label_offsets_never_overlap_and_keep_inside(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 12
+    anchors = [tuple(v) for v in (torch.rand(n, 2, generator=g) * torch.tensor([200.0, 60.0])).tolist()]
+    anchors[1] = anchors[0]  # two policies on one point
+    sizes = [tuple(v) for v in (torch.rand(n, 2, generator=g) * torch.tensor([80.0, 4.0]) + torch.tensor([20.0, 8.0])).tolist()]
+    offsets = bench.label_offsets(anchors, sizes, right=250.0)
+    boxes = [(x + dx, y + dy, x + dx + w, y + dy + h) for (x, y), (dx, dy), (w, h) in zip(anchors, offsets, sizes)]
+    for i in range(n):
+        assert boxes[i][2] <= 250.0 or boxes[i][0] == anchors[i][0] + 3.0  # left of the bound unless no room
+        for j in range(i):
+            a, b = boxes[i], boxes[j]
+            assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (i, j)
+
+
+def test_label_offsets_default_and_right_edge():
+    assert bench.label_offsets([(10.0, 10.0)], [(30.0, 8.0)]) == [(3.0, 3.0)]
+    assert bench.label_offsets([(240.0, 10.0)], [(30.0, 8.0)], right=250.0) == [(-33.0, 3.0)]

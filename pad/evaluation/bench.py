@@ -476,6 +476,28 @@ def point_labels(rows, key: str) -> list[tuple[float, float, str]]:
     return [(x, y, " = ".join(names)) for x, y, names in points.values()]
 
 
+def label_offsets(anchors, sizes, right: float = math.inf, gap: float = 3.0) -> list[tuple[float, float]]:
+    """Offsets (dx, dy) of each label's lower left corner from its point, so that no label covers another.
+
+    anchors: [(x, y)] of the points, sizes: [(width, height)] of the labels, ``right``: where the labels must
+    end, all in points (1/72 inch, y up). Labels are placed from the top point down: each goes up-right of
+    its point (up-left when it would pass ``right``) where that is free, else at the nearest free place
+    straight above or below, in steps of its height. -> [(dx, dy)]."""
+    placed: list[tuple[float, float, float, float]] = []
+    out: list[tuple[float, float] | None] = [None] * len(anchors)
+    for i in sorted(range(len(anchors)), key=lambda i: (-anchors[i][1], anchors[i][0])):
+        (x, y), (w, h) = anchors[i], sizes[i]
+        dx = gap if x + gap + w <= right else -gap - w
+        for step in range(4 * len(anchors) + 1):  # enough places for every other box to block two
+            dy = gap + (step + 1) // 2 * (h + 1) * (1 if step % 2 else -1)
+            box = (x + dx, y + dy, x + dx + w, y + dy + h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                break
+        placed.append(box)
+        out[i] = (dx, dy)
+    return out
+
+
 def rule_curves(rows, key: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
     """The settings of each relaxed rule at one K, as points sorted along ``key``: ``{("threshold", "K=8"): [(x, y),
     ...]}``, only rules with two or more settings. The plot joins them so each rule reads as a curve on the
@@ -524,13 +546,20 @@ def _plot(rows, path: Path, title: str) -> Path:
         for (rule, _), points in rule_curves(rows, key).items():
             xs, ys = zip(*points)
             ax.plot(xs, ys, c=colours[rule], lw=0.8, alpha=0.6, zorder=1)
-        for x, y, text in point_labels(rows, key):
-            ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (bar: paired 95% interval vs target)")
     fig.suptitle(title.splitlines()[0][:120], fontsize=8)
     fig.tight_layout()
+    fig.canvas.draw()  # the final layout and limits: where each point lands, in points
+    for ax, key in ((axes[0], "tokens_per_s"), (axes[1], "mean_accepted_length")):
+        labels = point_labels(rows, key)
+        anchors = [tuple(v * 72 / fig.dpi for v in ax.transData.transform((x, y))) for x, y, _ in labels]
+        sizes = [(0.55 * 7 * len(text), 7 * 1.15) for _, _, text in labels]  # about, at fontsize 7
+        right = ax.get_window_extent().x1 * 72 / fig.dpi
+        for (x, y, text), (dx, dy) in zip(labels, label_offsets(anchors, sizes, right)):
+            ax.annotate(text, (x, y), fontsize=7, xytext=(dx, dy), textcoords="offset points",
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color="grey") if dy != 3.0 else None)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
