@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64, help="continuation rows decoded together")
     ap.add_argument("--target", default=None, help="registry name or folder (default: the default target)")
+    ap.add_argument("--draft", default=None, help="registry name or folder (default: the default draft); only its "
+                    "vocabulary is used: continuations pick tokens from the range both models score, as the labeler's")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--seed", type=int, default=0)
@@ -101,18 +103,21 @@ def main(argv=None) -> int:
         ap.error("need --positions >= 1 and 0 <= --start < --limit")
 
     from pad.decoding.attention import use_gqa_sdpa
-    from pad.decoding.hf import eos_ids
+    from pad.decoding.hf import eos_ids, shared_vocab_size
     from pad.evaluation import machine
-    from pad.models.registry import DEFAULT_TARGET, load
+    from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load(args.target or DEFAULT_TARGET, dtype=args.dtype)
+    draft, _ = load(args.draft or DEFAULT_DRAFT, dtype=args.dtype)
+    vocab = shared_vocab_size(target, draft)
+    del draft
     use_gqa_sdpa(target, fused_cpu=True)  # the labeler's attention
     problems, prompts, outcomes = tasks.prompted_problems(tokenizer, args.task, args.split, args.data, args.start,
                                                           args.limit)
     began = time.perf_counter()
-    rows = null_continuations(target, target.config.vocab_size, eos_ids(target, None), prompts, outcomes,
+    rows = null_continuations(target, vocab, eos_ids(target, None), prompts, outcomes,
                               positions=args.positions, max_new_tokens=args.max_new_tokens, batch=args.batch,
                               seed=args.seed)
     print(f"{args.task} {args.split} {args.start}-{args.limit - 1}, {args.dtype}, {args.positions} null continuations "
