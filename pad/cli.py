@@ -163,6 +163,9 @@ def _label(args) -> int:
     tasks.check_task(args.task)
     shard = label.parse_shard(args.shard)
     problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
+    skip = set()  # read before the models load: a bad folder fails at once
+    for folder in args.skip_labeled or []:
+        skip |= label.finished_problems(folder, args.task, args.split)
     target, tokenizer, draft = _load_pair(args)
     prompts, utilities = [], []
     for problem in problems:
@@ -193,11 +196,12 @@ def _label(args) -> int:
         scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch,
                                     lookahead=args.lookahead)
         summary = search.run(problems, prompts, outcomes, target, draft, args.out, scfg, shard=shard, meta=meta,
-                             start=args.start)
+                             start=args.start, skip=skip)
     else:
         summary = label.run(problems, prompts, utilities, target, draft, args.out, cfg, shard=shard, meta=meta,
-                            rollout_batch=args.rollout_batch, start=args.start)
-    print(f"labeled {summary['problems']} problems ({summary['skipped_done']} already done): "
+                            rollout_batch=args.rollout_batch, start=args.start, skip=skip)
+    print(f"labeled {summary['problems']} problems ({summary['skipped_done']} already done, "
+          f"{summary['skipped_elsewhere']} done in --skip-labeled folders): "
           f"{summary['records']} positions, {summary['pivots']} pivots -> {args.out}")
     return 0
 
@@ -276,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--start", type=int, default=0, help="skip the problems before this index of the file")
     lb.add_argument("--shard", help="i/n: label problems i, i+n, i+2n, ... (one job per shard)")
     lb.add_argument("--out", required=True, help="output folder (resumes what is there)")
+    lb.add_argument("--skip-labeled", action="append", metavar="DIR",
+                    help="leave out the problems another label folder of this task and split has finished "
+                         "(repeatable; e.g. the same problems labeled in another dtype)")
     lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")
     lb.add_argument("--method", choices=("rollout", "search"), default="rollout",
                     help="search: follow the text PAD would decode, one greedy continuation per decision, "

@@ -191,7 +191,10 @@ def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folde
     assert {"hidden", "token_prob", "entropy", "same_answer", "correct_before", "correct_after"} <= shard.keys()
     # Another batch size resumes the same folder (it changes no record).
     assert main([*argv[:-4], "--batch", "2", "--out", str(out)]) == 0
-    assert "(4 already done)" in capsys.readouterr().out
+    assert "(4 already done, 0 done in --skip-labeled folders)" in capsys.readouterr().out
+    # A folder of other settings (say another dtype) leaves out what this one finished.
+    assert main([*argv[:-2], "--out", str(tmp_path / "other"), "--skip-labeled", str(out)]) == 0
+    assert "labeled 0 problems (0 already done, 4 done in --skip-labeled folders)" in capsys.readouterr().out
     same, _ = train.load_shards([out], criterion="same-answer")
     right, _ = train.load_shards([out], criterion="correct")
     assert len(same["label"]) == len(right["label"]) == sum(r["records"] for r in index)

@@ -99,6 +99,11 @@ def test_start_skips_the_first_problems(setup, tmp_path):
     assert index == [{**r, "seconds": index[i]["seconds"]} for i, r in enumerate(all_index[4:])]
     for pid, t in tensors.items():
         assert all(torch.equal(t[k], all_tensors[pid][k]) for k in t)
+    # Problems finished in another folder are left out too (rollouts share the rule with the search labeler).
+    summary = label.run(problems, prompts, [_stub_utility] * 6, target, draft, tmp_path / "rest", CFG,
+                        progress=False, start=1, skip={"p0", "p2", "p3"})
+    assert (summary["skipped_elsewhere"], summary["problems"]) == (2, 3)
+    assert [r["problem"] for r in read_labels(tmp_path / "rest")[0]] == ["p1", "p4", "p5"]
 
 
 def test_changed_settings_are_refused(setup, tmp_path):

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from pad.decoding.attention import FUSED_NAME, use_gqa_sdpa
 from pad.decoding.hf import LayerCapture, eos_ids
 from pad.evaluation.tasks import Problem
-from pad.pivots import search
+from pad.pivots import label, search
 from pad_kernels import attention, verify_block
 from label_folders import assert_same_labels, read_labels
 from tiny import greedy_from_scratch, tiny_pair
@@ -205,3 +205,27 @@ def test_greedy_texts_cut_short_go_on_from_where_they_were_saved(setup, tmp_path
     assert not list((out / "partial").glob("*"))
     assert sorted(r["problem"] for r in read_labels(out)[0]) == sorted(p.id for p in problems)  # each once
     assert_same_labels(tmp_path / "clean", out)
+
+
+def test_problems_finished_in_another_folder_are_left_out(setup, tmp_path):
+    target, draft, problems, prompts = setup
+    meta = {"task": "gsm8k", "split": "train"}
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "all", CFG, meta=meta, progress=False)
+    # Another folder finished the even problems (as shard 0 of 2: its index is index-0of2.jsonl).
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "other", CFG, shard=(0, 2), meta=meta,
+               progress=False)
+    skip = label.finished_problems(tmp_path / "other", "gsm8k", "train")
+    assert skip == {p.id for p in problems[::2]}
+    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "here", CFG, meta=meta,
+                         progress=False, skip=skip)
+    assert (summary["skipped_elsewhere"], summary["skipped_done"], summary["problems"]) == (3, 0, 3)
+    index, tensors = read_labels(tmp_path / "here")
+    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems[1::2])
+    everything = read_labels(tmp_path / "all")[1]
+    for pid, t in tensors.items():  # the odd problems' records are what a run over all of them wrote
+        for k in t:
+            torch.testing.assert_close(t[k], everything[pid][k], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gsm8k/train, not humaneval/test"):
+        label.finished_problems(tmp_path / "other", "humaneval", "test")
+    with pytest.raises(FileNotFoundError, match="not a label folder"):
+        label.finished_problems(tmp_path / "nowhere", "gsm8k", "train")

@@ -214,18 +214,41 @@ class LabelWriter:
         self.done.add(problem_id)
 
 
+def finished_problems(folder: str | os.PathLike, task: str, split: str) -> set[str]:
+    """Ids of the problems another ``pad label`` folder of the same task and split has finished (every
+    shard's index), so that a job can leave them out (``run(..., skip=...)``)."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{folder} is not a label folder (no meta.json)")
+    meta = json.loads(meta_path.read_text())
+    if (meta.get("task"), meta.get("split")) != (task, split):
+        raise ValueError(f"{folder} labels {meta.get('task')}/{meta.get('split')}, not {task}/{split}")
+    return {r["problem"] for index in sorted(folder.glob("index-*.jsonl")) for r in jsonl.read(index)}
+
+
+def problems_to_do(problems: list, start: int, shard: tuple[int, int], done: set[str],
+                   skip: set[str] = frozenset()) -> tuple[list[int], dict]:
+    """Indices of this shard's problems from ``start`` on that are neither ``done`` (this folder) nor in
+    ``skip`` (finished in another folder), and the summary that counts them."""
+    mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
+    todo = [i for i in mine if problems[i].id not in done and problems[i].id not in skip]
+    elsewhere = sum(problems[i].id in skip and problems[i].id not in done for i in mine)
+    return todo, {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo) - elsewhere,
+                  "skipped_elsewhere": elsewhere}
+
+
 def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], target, draft, out_dir,
         cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True,
-        rollout_batch: int = 16, start: int = 0, decode_batch: int = 8) -> dict:
-    """Label the problems of this shard from index ``start`` on that the index does not hold yet; returns a
-    summary. The greedy decodes of ``decode_batch`` problems at a time run as one batch."""
+        rollout_batch: int = 16, start: int = 0, decode_batch: int = 8, skip: set[str] = frozenset()) -> dict:
+    """Label the problems of this shard from index ``start`` on that the index does not hold yet (nor
+    ``skip``: ids finished elsewhere); returns a summary. The greedy decodes of ``decode_batch`` problems at
+    a time run as one batch."""
     from tqdm.auto import tqdm
 
     decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
     writer = LabelWriter(out_dir, shard, {**(meta or {}), **cfg.__dict__})
-    mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
-    todo = [i for i in mine if problems[i].id not in writer.done]
-    summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
+    todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
     bar = tqdm(todo, desc="label", unit="problem", disable=not progress)
     decoded = {}
     for n, i in enumerate(bar):

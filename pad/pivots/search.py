@@ -35,7 +35,7 @@ import torch
 
 from ..decoding.hf import crop_cache, decoder_layer, eos_ids, forward_tail, returned_cache, shared_vocab_size
 from .continuations import Continuations, Job
-from .label import LabelWriter, softmax_stats
+from .label import LabelWriter, problems_to_do, softmax_stats
 
 CRITERIA = ("same-answer", "correct")
 
@@ -208,8 +208,9 @@ def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[list[int]], tuple]], target, draft,
         out_dir, cfg: SearchConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None,
-        progress: bool = True, start: int = 0) -> dict:
-    """Label the problems of this shard from index ``start`` on that the folder does not hold yet.
+        progress: bool = True, start: int = 0, skip: set[str] = frozenset()) -> dict:
+    """Label the problems of this shard from index ``start`` on that the folder does not hold yet (nor
+    ``skip``: ids finished in another folder).
 
     prompts: [1, P] token ids per problem; outcomes: tokens -> (answer key, correct) per problem (GSM8K:
     the final number; HumanEval: pass/fail as the key). Returns a summary.
@@ -221,9 +222,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     writer = LabelWriter(out_dir, shard, {**(meta or {}),
                                           **{k: v for k, v in cfg.__dict__.items() if k not in cfg.SPEED_ONLY}})
     partial = _Partial(out_dir)
-    mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
-    todo = [i for i in mine if problems[i].id not in writer.done]
-    summary = {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo)}
+    todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
     vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
     engine = Continuations(target, vocab, eos, cfg.layer, cfg.batch, cfg.lookahead)
     active: dict[int, _Problem] = {}
