@@ -67,3 +67,31 @@ def test_steps_write_in_place():
             assert layer.keys.data_ptr() == base and layer.keys.shape[2] <= capacity
         decoder.forward(torch.randint(0, 96, (2, 1), generator=g), torch.ones(2, 1, dtype=torch.bool), keep=1)
         assert layer.keys.data_ptr() != base and layer.buffers[0].shape[2] > capacity  # full: reallocated
+
+
+def test_replaced_buffers_are_freed_at_once():
+    """Row selection, compaction and new rows replace the keys and values: the buffers they were views of
+    must be freed then, not held (a second copy of the whole cache) until the layer's next update."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", seed=23)
+    decoder = Decoder(model, 96, 3, grow_in_place=True)
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        ids, fed = left_pad([torch.randint(0, 96, (n,), generator=g).tolist() for n in (6, 4, 5)], "cpu")
+        decoder.forward(ids, fed, keep=1)
+        k = [torch.randn(1, 2, 4, 8, generator=g) for _ in range(2)]
+        v = [torch.randn(1, 2, 4, 8, generator=g) for _ in range(2)]
+        operations = {"select": lambda: decoder.select([2, 0]), "compact": decoder.compact,
+                      "add_rows": lambda: decoder.add_rows(k, v, torch.ones(1, 4, dtype=torch.bool))}
+        for name, operation in operations.items():
+            step = torch.randint(0, 96, (decoder.valid_host.shape[0], 1), generator=g)
+            decoder.forward(step, torch.ones_like(step, dtype=torch.bool), keep=1)  # keys are buffer views again
+            refs = [weakref.ref(b) for layer in decoder.cache.layers for b in layer.buffers]
+            operation()
+            gc.collect()
+            assert all(r() is None for r in refs), name
+        step = torch.randint(0, 96, (decoder.valid_host.shape[0], 1), generator=g)
+        decoder.forward(step, torch.ones_like(step, dtype=torch.bool), keep=1)
+        assert all(layer.keys.data_ptr() == layer.buffers[0].data_ptr() for layer in decoder.cache.layers)

@@ -89,7 +89,20 @@ def growing_layer_class():
             self.keys, self.values = k[:, :, :end], v[:, :, :end]
             return self.keys, self.values
 
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            super().batch_select_indices(indices)
+            drop_stale_buffers(self)
+
     return GrowingLayer
+
+
+def drop_stale_buffers(layer) -> None:
+    """Free a growing layer's buffers once its keys and values were replaced (row selection, compaction,
+    new rows) rather than at its next update: until then they would hold the whole batch's cache a second
+    time (2.3 GB for 64 rows of 620 columns of the default target in fp32)."""
+    buffers = getattr(layer, "buffers", None)
+    if buffers is not None and layer.keys.data_ptr() != buffers[0].data_ptr():
+        layer.buffers = None
 
 
 def left_pad(rows: list[list[int]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +203,7 @@ class Decoder:
             index = src[:, None, :, None].expand(B, H, width, D)
             layer.keys = torch.gather(layer.keys, 2, index)
             layer.values = torch.gather(layer.values, 2, index)
+            drop_stale_buffers(layer)
         self.valid_host, self.valid = valid, valid.to(self.device)
         self.compactions += 1
 
@@ -218,6 +232,7 @@ class Decoder:
         for layer, k, v in zip(self.cache.layers, keys, values):
             layer.keys = torch.cat([left(layer.keys, grow, 2), left(k.to(layer.keys), extra, 2)], 0)
             layer.values = torch.cat([left(layer.values, grow, 2), left(v.to(layer.values), extra, 2)], 0)
+            drop_stale_buffers(layer)
         self.valid_host = torch.cat([left(self.valid_host, grow, 1), left(valid, extra, 1)], 0)
         self.valid = self.valid_host.to(self.device)
         self.tokens_fed = torch.cat([self.tokens_fed, torch.zeros(rows, dtype=torch.long)])
