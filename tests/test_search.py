@@ -229,3 +229,83 @@ def test_problems_finished_in_another_folder_are_left_out(setup, tmp_path):
         label.finished_problems(tmp_path / "other", "humaneval", "test")
     with pytest.raises(FileNotFoundError, match="not a label folder"):
         label.finished_problems(tmp_path / "nowhere", "gsm8k", "train")
+
+
+def test_problem_bytes_is_what_the_caches_hold(setup):
+    from pad.decoding.hf import forward_tail, returned_cache
+
+    target, draft, _, _ = setup
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(7))
+    held = []
+    with torch.inference_mode():
+        for model in (target, draft):
+            cache = returned_cache(forward_tail(model, ids, 1, use_cache=True))
+            held.append(sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)))
+    # Its text's cache in both models, and its row of the running batch (the target's again).
+    assert search.problem_bytes(target, draft, 4, 7) == 2 * held[0] + held[1]
+
+
+def _memory(monkeypatch, answers):
+    """Make the labeler see ``answers(call number)`` bytes of memory left; returns the trims it asked for."""
+    calls, trims = {"n": 0}, []
+
+    def available():
+        calls["n"] += 1
+        return answers(calls["n"])
+
+    monkeypatch.setattr(search, "available_memory", available)
+    monkeypatch.setattr(search, "release_free_memory", lambda: trims.append(calls["n"]) or True)
+    return trims
+
+
+def test_batch_is_cut_to_what_memory_holds(setup, tmp_path, monkeypatch):
+    target, draft, problems, prompts = setup
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "clean", CFG, progress=False)
+    need = search.problem_bytes(target, draft, max(p.shape[1] for p in prompts), CFG.max_new_tokens)
+    _memory(monkeypatch, lambda n: search.ADMIT_MEMORY + int(2.5 * need))
+    made = []
+    engine = search.Continuations
+    monkeypatch.setattr(search, "Continuations", lambda *a, **k: made.append(a[4]) or engine(*a, **k))
+    with pytest.warns(UserWarning, match="--batch 4 does not fit .* labeling 2 problems at a time"):
+        search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "cut", CFG, progress=False)
+    assert made == [2]
+    assert_same_labels(tmp_path / "clean", tmp_path / "cut")
+    _memory(monkeypatch, lambda n: search.ADMIT_MEMORY + need // 2)
+    with pytest.raises(search.LowMemory, match="one problem in flight needs up to"):
+        search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "none", CFG, progress=False)
+
+
+def test_new_problems_wait_while_memory_is_short(setup, tmp_path, monkeypatch):
+    target, draft, problems, prompts = setup
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "clean", CFG, progress=False)
+    # Plenty at start (the batch is not cut), then less than ADMIT_MEMORY but more than LOW_MEMORY.
+    trims = _memory(monkeypatch, lambda n: 1 << 40 if n == 1 else (search.LOW_MEMORY + search.ADMIT_MEMORY) // 2)
+    out, started = tmp_path / "short", []
+    submit = search.Continuations.submit
+
+    def spy(engine, job):
+        if job.key[1] is None:  # a problem's first job: it joins now; every earlier one has finished
+            index = out / "index-0of1.jsonl"
+            started.append((job.key[0], len(index.read_text().splitlines()) if index.exists() else 0))
+        return submit(engine, job)
+
+    monkeypatch.setattr(search.Continuations, "submit", spy)
+    search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    assert started == [(i, i) for i in range(6)]  # one problem at a time
+    assert trims  # short of memory, it first handed freed memory back
+    assert_same_labels(tmp_path / "clean", out)
+
+
+def test_low_memory_stops_the_job_which_resumes_without_loss(setup, tmp_path, monkeypatch):
+    target, draft, problems, prompts = setup
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "clean", CFG, progress=False)
+    _memory(monkeypatch, lambda n: 1 << 40 if n < 12 else search.LOW_MEMORY // 2)
+    out = tmp_path / "stopped"
+    with pytest.raises(search.LowMemory, match="progress is saved: run the same command with a smaller --batch"):
+        search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    assert list((out / "partial").glob("*.safetensors"))  # problems in flight were saved
+    monkeypatch.undo()
+    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, out, CFG, progress=False)
+    assert summary["problems"] + summary["skipped_done"] == 6
+    assert not list((out / "partial").glob("*"))
+    assert_same_labels(tmp_path / "clean", out)

@@ -1,4 +1,5 @@
-"""One line naming the machine, versions and commit, for benchmark tables."""
+"""Facts of the machine: one line naming it, versions and commit, for benchmark tables; its fastest dtype;
+the memory left for a long job."""
 from __future__ import annotations
 
 import os
@@ -40,6 +41,42 @@ def default_dtype() -> str:
     decoding cannot pay; in fp32 a 9-token forward costs a few one-token forwards.
     """
     return "bfloat16" if native_bf16() else "float32"
+
+
+def available_memory(meminfo: str | os.PathLike = "/proc/meminfo",
+                     cgroup: str | os.PathLike = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process can still take without swapping or meeting the OOM killer: the kernel's
+    ``MemAvailable``, or less when a cgroup v2 limit (``memory.max`` of a container or job launcher) leaves
+    less; None where neither is known (not Linux)."""
+    found = []
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = Path(cgroup, "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path(cgroup, "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, min(found)) if found else None
+
+
+def release_free_memory() -> bool:
+    """Give the memory freed tensors left in the C allocator back to the system (glibc's ``malloc_trim``);
+    False where the C library has no such call. A long job that allocates and frees caches of many sizes
+    keeps it otherwise: a search labeler in fp32 at ``--batch 32`` held 2.2 GB of freed memory after 20
+    minutes (its resident size fell from 13.9 to 11.7 GB at one call)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def machine_line(with_commit: bool = True) -> str:

@@ -22,18 +22,28 @@ writes them (``pad.pivots.label.LabelWriter``). A problem in flight is saved aft
 continuations running at that moment; a resumed problem prefills its text once and goes on. Greedy texts
 still being decoded are saved too, every ``GREEDY_SAVE_SECONDS``, and a resumed one goes on from where
 it was saved (on a CPU without native bf16 the first greedy texts of a batch take tens of minutes).
+
+Memory: a problem in flight holds up to ``problem_bytes`` (its text's caches in both models and its row of
+the batch). The batch is cut at start to what the memory left after loading the models holds (a warning
+says so); new problems join only while ``ADMIT_MEMORY`` is left, and with less than ``LOW_MEMORY`` left
+the job saves its problems in flight and stops with ``LowMemory`` (the same command, with a smaller
+``--batch``, goes on from there) rather than meet the kernel's OOM killer hours in. Freed memory goes back
+to the system every ``GREEDY_SAVE_SECONDS`` and whenever less than ``ADMIT_MEMORY`` is left.
 """
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..decoding.hf import crop_cache, decoder_layer, eos_ids, forward_tail, returned_cache, shared_vocab_size
+from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_bytes_per_token, returned_cache,
+                           shared_vocab_size)
+from ..evaluation.machine import available_memory, release_free_memory
 from .continuations import Continuations, Job
 from .label import LabelWriter, problems_to_do, softmax_stats
 
@@ -85,6 +95,30 @@ class _Problem:
 # of the draft's work.
 DRAFT_CHUNK = 32
 GREEDY_SAVE_SECONDS = 60.0
+# Memory left below which the job stops (its problems saved), and above which new problems join.
+LOW_MEMORY = 1 << 30
+ADMIT_MEMORY = 2 << 30
+GIB = float(1 << 30)
+
+
+class LowMemory(RuntimeError):
+    """Too little memory left to go on: the problems in flight are saved, and the same command with a smaller
+    ``--batch`` resumes them."""
+
+
+def problem_bytes(target, draft, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Most memory one problem in flight holds: the target's and the draft's caches of its text and its row
+    of the running batch (a target cache as long), at ``prompt_tokens + max_new_tokens`` tokens."""
+    return (prompt_tokens + max_new_tokens) * (2 * kv_bytes_per_token(target) + kv_bytes_per_token(draft))
+
+
+def _memory_left() -> int | None:
+    """Memory still available (None: unknown); below ``ADMIT_MEMORY`` freed memory goes back first."""
+    free = available_memory()
+    if free is not None and free < ADMIT_MEMORY:
+        release_free_memory()
+        free = available_memory()
+    return free
 # Job keys (problem, t): t is the decision's position, or one of these for a job that decodes or prefills
 # the problem's own text: its greedy text (whole, or the rest of one saved unfinished), a text resumed.
 _TEXT_JOBS = (None, "greedy", "resume")
@@ -205,6 +239,24 @@ def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
     return out
 
 
+def _rows_that_fit(cfg: SearchConfig, target, draft, longest_prompt: int) -> int:
+    """``cfg.batch``, or fewer when the memory left holds fewer problems in flight (a warning says so)."""
+    free = _memory_left()
+    if free is None or longest_prompt == 0:
+        return cfg.batch
+    need = problem_bytes(target, draft, longest_prompt, cfg.max_new_tokens)
+    fit = (free - ADMIT_MEMORY) // need
+    if fit < 1:
+        raise LowMemory(f"{free / GIB:.2f} GiB of memory left after loading the models: one problem in flight "
+                        f"needs up to {need / GIB:.2f} GiB beyond the {ADMIT_MEMORY / GIB:.0f} GiB kept free")
+    if fit < cfg.batch:
+        warnings.warn(f"--batch {cfg.batch} does not fit in the {free / GIB:.1f} GiB of memory left (a problem in "
+                      f"flight needs up to {need / GIB:.2f} GiB, {ADMIT_MEMORY / GIB:.0f} GiB are kept free): "
+                      f"labeling {fit} problems at a time", stacklevel=3)
+        return fit
+    return cfg.batch
+
+
 @torch.inference_mode()
 def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[list[int]], tuple]], target, draft,
         out_dir, cfg: SearchConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None,
@@ -223,14 +275,20 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                                           **{k: v for k, v in cfg.__dict__.items() if k not in cfg.SPEED_ONLY}})
     partial = _Partial(out_dir)
     todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
+    rows = _rows_that_fit(cfg, target, draft, max((prompts[i].shape[1] for i in todo), default=0))
     vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
-    engine = Continuations(target, vocab, eos, cfg.layer, cfg.batch, cfg.lookahead)
+    engine = Continuations(target, vocab, eos, cfg.layer, rows, cfg.lookahead)
     active: dict[int, _Problem] = {}
     waiting = iter(todo)
     bar = tqdm(total=len(todo), desc="label (search)", unit="problem", disable=not progress)
 
+    def roomy() -> bool:
+        free = _memory_left()
+        return free is None or free >= ADMIT_MEMORY
+
     def admit() -> None:
-        while len(active) < cfg.batch and (i := next(waiting, None)) is not None:
+        # One problem always runs; more join while memory is left (they grow as their texts are decoded).
+        while len(active) < rows and (not active or roomy()) and (i := next(waiting, None)) is not None:
             p = active[i] = _Problem(i, prompts[i][0].tolist(), outcomes[i], time.perf_counter())
             spent = partial.load(p)
             if spent is None:
@@ -301,7 +359,14 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
             admit()
             if time.perf_counter() - saved >= GREEDY_SAVE_SECONDS:
                 save_greedy()
+                release_free_memory()
                 saved = time.perf_counter()
+            free = _memory_left()
+            if free is not None and free < LOW_MEMORY:
+                save_greedy()
+                raise LowMemory(f"memory ran low ({free / GIB:.2f} GiB left with {len(active)} problems in "
+                                f"flight); their progress is saved: run the same command with a smaller --batch "
+                                f"to go on")
     except KeyboardInterrupt:
         save_greedy()
         raise
