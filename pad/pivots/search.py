@@ -119,6 +119,8 @@ def _memory_left() -> int | None:
         release_free_memory()
         free = available_memory()
     return free
+
+
 # Job keys (problem, t): t is the decision's position, or one of these for a job that decodes or prefills
 # the problem's own text: its greedy text (whole, or the rest of one saved unfinished), a text resumed.
 _TEXT_JOBS = (None, "greedy", "resume")
