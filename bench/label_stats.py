@@ -4,7 +4,10 @@ For the texts the target answers right (the ones an acceptance rule can lose): t
 ``p_target(token)``, how many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are
 spread over problems; for the texts it answers wrong, how often a draft token turns them right. Then each
 single feature's AUROC pooled over problems and within problems, beside the score that knows only how
-fragile a problem is (the pivot rate of its other decisions).
+fragile a problem is (the pivot rate of its other decisions). Last, the tokens per target forward a rule
+would make on the walked texts at each K (``pad.pivots.replay.tokens_per_forward``) beside its replayed
+accuracy change: rejecting every mismatch (exact), only the labeled pivots (a perfect classifier: the most
+any classifier of these labels can give) and the ``p_target(token)`` threshold.
 
     python bench/label_stats.py labels/gsm8k-train-search labels/gsm8k-train-search-fp32
 """
@@ -16,9 +19,12 @@ import sys
 import torch
 
 from pad.evaluation.bench import share_with_interval
-from pad.pivots.train import auroc, load_shards, single_features, within_problem_auroc
+from pad.pivots.replay import replay_table
+from pad.pivots.train import WALKS, auroc, load_shards, single_features, within_problem_auroc
 
 P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
+KS = (4, 8, 16)
+FRONTIER_TAUS = (0.4, 0.2, 0.1)
 
 
 def problem_pivot_rate(labels: torch.Tensor, problems: torch.Tensor) -> torch.Tensor:
@@ -56,6 +62,35 @@ def stats(data: dict, taus=(0.2, 0.4)) -> dict:
     return out
 
 
+def frontier(data: dict, problems_read: int, ks=KS, taus=FRONTIER_TAUS, resamples: int = 2000) -> list[dict]:
+    """Per rule (exact, perfect classifier, threshold@tau): the share of mismatches accepted, the replayed
+    accuracy change with its 95% interval over ``problems_read`` problems (``replay_table``) and the tokens
+    per target forward at each K on the walked texts (needs ``WALKS``)."""
+    y = data["label"].bool()
+    rules = {"exact": torch.zeros_like(y), "perfect classifier": ~y,
+             **{f"threshold@{t:g}": data["token_prob"].float() >= t for t in taus}}
+    rows = []
+    for name, accept in rules.items():
+        # replay_table accepts scores <= threshold: 0 for an accepted mismatch, 1 for a rejected one.
+        r = replay_table((~accept).float(), (0.5,), data, problems_read, resamples=resamples, ks=ks)[0]
+        rows.append({"rule": name, "accepted": r["mismatches_accepted"], "accuracy_change": r["accuracy_change"],
+                     "accuracy_change_ci": r["accuracy_change_ci"], "tokens_per_forward": r["tokens_per_forward"]})
+    return rows
+
+
+def frontier_markdown(rows: list[dict]) -> str:
+    ks = list(rows[0]["tokens_per_forward"])
+    exact = rows[0]["tokens_per_forward"]
+    lines = ["| rule | mismatches accepted | accuracy change [95% CI] | "
+             + " | ".join(f"tokens / forward, K = {k} (x exact)" for k in ks) + " |", "|---" * (3 + len(ks)) + "|"]
+    for r in rows:
+        lo, hi = r["accuracy_change_ci"]
+        lines.append(f"| {r['rule']} | {r['accepted']:.1%} | {100 * r['accuracy_change']:+.1f} [{100 * lo:+.1f}, "
+                     f"{100 * hi:+.1f}] | " + " | ".join(f"{v:.2f} ({v / exact[k]:.2f}x)"
+                                                      for k, v in r["tokens_per_forward"].items()) + " |")
+    return "\n".join(lines)
+
+
 def markdown(s: dict, criterion: str) -> str:
     n_right = s["right"]
     lines = [f"{s['problems']} problems with decisions ({n_right} right texts, {s['problems'] - n_right} wrong), "
@@ -86,6 +121,9 @@ def main(argv=None) -> int:
         ap.error("these folders hold no outcomes: label them with --method search")
     print(f"{meta['problems_read']} problems read from {', '.join(args.dirs)}")
     print(markdown(stats(data), args.criterion))
+    if all(k in data for k in WALKS):
+        print("\nTokens per target forward on the walked texts (replayed, not decoded):\n")
+        print(frontier_markdown(frontier(data, meta["problems_read"])))
     return 0
 
 

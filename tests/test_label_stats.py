@@ -2,6 +2,7 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from pad.pivots import label, train
@@ -17,18 +18,19 @@ def _folder(out):
     two decisions turns it right)."""
     writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2,
                                              "method": "search"})
-    problems = {  # p_target(token), same_answer, correct_before, correct_after per decision
-        "a": ([0.3, 0.15, 0.02], [0, 1, 0], 1, [0, 1, 0]),
-        "b": ([0.45, 0.25], [1, 1], 1, [1, 1]),
-        "c": ([0.1, 0.35], [0, 1], 0, [1, 0]),
+    problems = {  # p_target(token), same_answer, correct_before, correct_after per decision; text length
+        "a": ([0.3, 0.15, 0.02], [0, 1, 0], 1, [0, 1, 0], 10),
+        "b": ([0.45, 0.25], [1, 1], 1, [1, 1], 6),
+        "c": ([0.1, 0.35], [0, 1], 0, [1, 0], 5),
     }
-    for i, (pid, (p, same, before, after)) in enumerate(problems.items()):
+    for i, (pid, (p, same, before, after, length)) in enumerate(problems.items()):
         n = len(p)
         t = {"hidden": torch.randn(n, 4).half(), "token_prob": torch.tensor(p).half(),
              "entropy": torch.rand(n).half(), "draft_prob": torch.rand(n).half(), "draft_entropy": torch.rand(n).half(),
              "position": torch.arange(n, dtype=torch.int32), "same_answer": torch.tensor(same, dtype=torch.int8),
              "correct_before": torch.full((n,), before, dtype=torch.int8),
-             "correct_after": torch.tensor(after, dtype=torch.int8), "mismatches": torch.tensor([n], dtype=torch.int32)}
+             "correct_after": torch.tensor(after, dtype=torch.int8), "mismatches": torch.tensor([n], dtype=torch.int32),
+             "generated": torch.tensor([length], dtype=torch.int32)}
         t["label"] = (1 - t["same_answer"]).to(torch.int8)
         writer.write(i, pid, t, 1.0)
 
@@ -55,3 +57,26 @@ def test_stats_of_a_hand_made_folder(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Right texts: 2/5 = 40.0% [" in out and "| [0.3, 0.4) | 1/1 = 100.0% [" in out
     assert "Wrong texts: 1/2 = 50.0% [" in out and "| problem's pivot rate (other decisions) |" in out
+    assert "| perfect classifier | 57.1% | +0.0 [+0.0, +0.0] | 2.62 (" in out  # K = 4: 21 tokens in 8 forwards
+
+
+def test_frontier_of_a_hand_made_folder(tmp_path):
+    _folder(tmp_path)
+    data, meta = train.load_shards([tmp_path])
+    rows = {r["rule"]: r for r in label_stats.frontier(data, meta["problems_read"], ks=(4,), taus=(0.2,), resamples=200)}
+    assert list(rows) == ["exact", "perfect classifier", "threshold@0.2"]
+    # Decisions sit at positions 0, 1, 2 of texts of 10, 6 and 5 tokens (21 in all). K = 4, blocks:
+    # exact, every decision rejected: a [x][x][x][3-7][8 9], b [x][x][2-5], c [x][x][2-4]: 11 forwards.
+    # perfect, a's positions 0 and 2 and c's 0 rejected: a [x][1 x][3-7][8 9], b [0-5], c [x][1-4]: 8 forwards,
+    # the 4 harmless of 7 decisions accepted and no answer changed.
+    # threshold@0.2 accepts p >= 0.2: a's first decision, a pivot (a turns wrong, its walk ends: 1 seen),
+    # both of b's, c's second (harmless): 4 of 5 seen; rejected a 1, 2 and c 0: a [0 x][x][3-7][8 9], b [0-5],
+    # c [x][1-4]: 8 forwards.
+    assert rows["exact"]["tokens_per_forward"] == {"4": pytest.approx(21 / 11)}
+    assert (rows["exact"]["accepted"], rows["exact"]["accuracy_change"]) == (0.0, 0.0)
+    assert rows["perfect classifier"]["tokens_per_forward"] == {"4": pytest.approx(21 / 8)}
+    assert rows["perfect classifier"]["accepted"] == pytest.approx(4 / 7)
+    assert rows["perfect classifier"]["accuracy_change"] == 0.0
+    assert rows["threshold@0.2"]["tokens_per_forward"] == {"4": pytest.approx(21 / 8)}
+    assert rows["threshold@0.2"]["accepted"] == pytest.approx(4 / 5)
+    assert rows["threshold@0.2"]["accuracy_change"] == pytest.approx(-1 / 3)

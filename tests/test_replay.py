@@ -108,9 +108,10 @@ def test_cross_validation_replays_search_folders(tmp_path):
             "hidden": hidden.half(), "token_prob": torch.rand(6, generator=g).half(),
             "entropy": torch.rand(6, generator=g).half(), "label": pivot, "same_answer": 1 - pivot,
             "correct_before": before, "correct_after": torch.where(pivot == 1, 1 - before, before),
-            "mismatches": torch.tensor([6], dtype=torch.int32)}, 1.0)
+            "mismatches": torch.tensor([6], dtype=torch.int32), "position": 4 * torch.arange(6, dtype=torch.int32) + i % 3,
+            "generated": torch.tensor([25 + i], dtype=torch.int32)}, 1.0)
     data, meta = train.load_shards([tmp_path])
-    assert all(k in data for k in train.OUTCOMES)
+    assert all(k in data for k in train.OUTCOMES + train.WALKS)
     cv = train.cross_validate(data, meta, train.TrainConfig(model="linear", bootstrap=200), folds=3, progress=False)
     rows = {r["threshold"]: r for r in cv["replay"]["pivot@sigma"]}
     assert cv["replay"]["problems"] == 30 and set(rows) == set(replay.SIGMAS)
@@ -123,8 +124,77 @@ def test_cross_validation_replays_search_folders(tmp_path):
         6 * i]] == 1).any()))
     assert every["accuracy_change"] == pytest.approx((wrong_with_pivot - right_with_pivot) / 30)
     assert "threshold@0.5" in train.report_markdown({**_report_stub(), "cross_validation": cv})
+    # Tokens per forward on the walked texts, block by block: every decision rejected, only the pivots, and
+    # each threshold's own rejections.
+    walks = cv["replay"]["tokens_per_forward"]
+    tokens = sum(25 + i for i in range(30))
+    for k in replay.KS:
+        every = sum(_decode_blocks({4 * j + i % 3 for j in range(6)}, 25 + i, k) for i in range(30))
+        pivots = sum(_decode_blocks({4 * j + i % 3 for j in range(6) if data["label"][6 * i + j]}, 25 + i, k)
+                     for i in range(30))
+        assert walks["exact"][str(k)] == pytest.approx(tokens / every)
+        assert walks["perfect classifier"][str(k)] == pytest.approx(tokens / pivots)
+        assert rows[0.05]["tokens_per_forward"][str(k)] <= rows[0.7]["tokens_per_forward"][str(k)]
+    assert "| exact | | | | " in train.report_markdown({**_report_stub(), "cross_validation": cv})
 
 
 def _report_stub():
     return {"model": "linear", "l2": 1.0, "problems": {"train": 1, "heldout": 1}, "positions": {"train": 1, "heldout": 1},
             "pivots": {"train": 1, "heldout": 1}, "heldout_auroc": 0.5, "best_heldout_loss": 0.7, "sigmas": []}
+
+
+def _decode_blocks(rejected: set, length: int, k: int) -> int:
+    """Forwards of speculative decoding on one text, a block at a time: k draft tokens, kept up to the first
+    rejected one (replaced by the target's token), or all k and the target's next token."""
+    s = forwards = 0
+    while s < length:
+        forwards += 1
+        j = 0
+        while j < k and s + j < length and s + j not in rejected:
+            j += 1
+        s += j + 1  # the kept draft tokens and the target's token after them
+    return forwards
+
+
+@pytest.mark.parametrize("rejected, length, k, forwards", [
+    ([1, 6], 10, 3, 4),  # [0 x] [2 3 4 +5] [x] [7 8 9]
+    ([3], 8, 3, 2),  # the rejected position is a block's own target token: [0 1 2 +3] [4 5 6 +7]
+    ([], 9, 8, 1),  # nothing rejected: one block of 8 and the target's token
+    ([0, 1, 2], 3, 4, 3),  # every token rejected: one a forward
+])
+def test_tokens_per_forward_hand_worked(rejected, length, k, forwards):
+    position = torch.tensor(sorted(set(rejected) | {length - 1}))  # and an accepted decision at the end
+    reject = torch.tensor([p in rejected for p in position.tolist()])
+    got = replay.tokens_per_forward(reject, position, torch.full((len(position),), length), torch.zeros(len(position)), k)
+    assert got == pytest.approx(length / forwards)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokens_per_forward_equals_block_decoding(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    rows, tokens, forwards = [], 0, {k: 0 for k in (1, 4, 8, 16)}
+    for p in torch.randperm(1000, generator=g)[:25].tolist():
+        length = int(torch.randint(1, 120, (1,), generator=g))
+        count = int(torch.randint(1, min(length, 20) + 1, (1,), generator=g))
+        positions = torch.randperm(length, generator=g)[:count].sort().values.tolist()
+        reject = (torch.rand(count, generator=g) < 0.4).tolist()
+        rows += [(p, pos, length, r) for pos, r in zip(positions, reject)]
+        tokens += length
+        for k in forwards:
+            forwards[k] += _decode_blocks({pos for pos, r in zip(positions, reject) if r}, length, k)
+    problem, position, length, reject = (torch.tensor(c) for c in zip(*rows))
+    for k, f in forwards.items():
+        assert replay.tokens_per_forward(reject, position, length, problem, k) == pytest.approx(tokens / f)
+
+
+def test_tokens_per_forward_refuses_bad_walks():
+    one = torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="rise"):
+        replay.tokens_per_forward(one, torch.tensor([3, 2]), torch.tensor([5, 5]), torch.zeros(2), 4)
+    with pytest.raises(ValueError, match="rise"):
+        replay.tokens_per_forward(one, torch.tensor([1, 5]), torch.tensor([5, 5]), torch.zeros(2), 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        replay.tokens_per_forward(torch.ones(3, dtype=torch.bool), torch.tensor([1, 1, 2]), torch.full((3,), 5),
+                                  torch.tensor([0, 1, 0]), 4)
+    with pytest.raises(ValueError, match="k must"):
+        replay.tokens_per_forward(one, torch.tensor([1, 2]), torch.tensor([5, 5]), torch.zeros(2), 0)

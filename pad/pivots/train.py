@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .classifier import PivotClassifier
-from .replay import SIGMAS as REPLAY_SIGMAS, TAUS as REPLAY_TAUS, replay_table
+from .replay import KS as REPLAY_KS, SIGMAS as REPLAY_SIGMAS, TAUS as REPLAY_TAUS, replay_table, tokens_per_forward
 
 SIGMAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -45,6 +45,7 @@ class TrainConfig:
 
 MODELS = ("mlp", "linear", "auto")
 OUTCOMES = ("same_answer", "correct_before", "correct_after")  # kept from search folders, for replay
+WALKS = ("position", "text_length")  # a position's index in its generated text (for search: the walk's final one)
 
 
 def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, dict]:
@@ -54,7 +55,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
 
     Tensors are [N] (``hidden`` [N, H]), the positions of a problem contiguous and in the folder's order
     (for search folders, walk order); when every folder is a search folder, both outcomes of each
-    decision are kept too (``OUTCOMES``).
+    decision are kept too (``OUTCOMES``); ``WALKS`` says where each position sits in its generated text.
 
     A problem labeled in more than one folder is taken from the first, so no position counts twice.
     Folders of the search method keep both outcomes of each decision; ``criterion`` picks the label
@@ -84,6 +85,8 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
                     t = load_file(str(d / rec["file"]))
                     if "same_answer" in t:
                         t["label"] = pivot_labels(t, criterion)
+                    if "position" in t and "generated" in t:  # for replay.tokens_per_forward
+                        t["text_length"] = t["generated"].expand(len(t["label"])).clone()
                     t["problem"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(rec["problem"].encode())
                     parts.append(t)
     keys = ("target", "draft", "weights", "layer")
@@ -93,7 +96,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
     if not parts:
         raise ValueError(f"no labeled positions in {', '.join(map(str, dirs))}")
     keys = ["hidden", "token_prob", "entropy", "label", "problem"]
-    keys += [k for k in ("draft_prob", "draft_entropy", *OUTCOMES) if all(k in p for p in parts)]
+    keys += [k for k in ("draft_prob", "draft_entropy", *OUTCOMES, *WALKS) if all(k in p for p in parts)]
     data = {k: torch.cat([p[k] for p in parts]) for k in keys}
     return data, {**metas[0], "folders": [str(d) for d in dirs], "problems_read": len(read),
                        "problem_ids": sorted(read)}
@@ -354,11 +357,18 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
         # What the out-of-fold scores would do to the answers (pad.pivots.replay), beside the threshold rule
         # on p_target(token); problems read without a decision count as unchanged.
         read = max(meta.get("problems_read", 0), len(problems))
+        ks = REPLAY_KS if all(k in data for k in WALKS) else ()
         out["replay"] = {
             "problems": read,
-            "pivot@sigma": replay_table(prob, REPLAY_SIGMAS, data, read, resamples=cfg.bootstrap, seed=cfg.seed),
+            "pivot@sigma": replay_table(prob, REPLAY_SIGMAS, data, read, resamples=cfg.bootstrap, seed=cfg.seed, ks=ks),
             "threshold@tau": replay_table(data["token_prob"].float(), REPLAY_TAUS, data, read, higher_accepts=True,
-                                          resamples=cfg.bootstrap, seed=cfg.seed)}
+                                          resamples=cfg.bootstrap, seed=cfg.seed, ks=ks)}
+        if ks:  # tokens per forward rejecting every mismatch (exact) and exactly the pivots (a perfect classifier)
+            walk = lambda reject, k: tokens_per_forward(reject, data["position"], data["text_length"],  # noqa: E731
+                                                        data["problem"], k)
+            out["replay"]["tokens_per_forward"] = {
+                "exact": {str(k): walk(torch.ones_like(labels, dtype=torch.bool), k) for k in ks},
+                "perfect classifier": {str(k): walk(labels == 1, k) for k in ks}}
     return out
 
 
@@ -435,13 +445,20 @@ def report_markdown(report: dict) -> str:
         lines += ["", *_sigma_lines(cv["sigmas"], fmt)]
         rep = cv.get("replay")
         if rep:
+            walks = rep.get("tokens_per_forward")
+            ks = list(walks["exact"]) if walks else []
+            per_k = lambda tpf: "".join(f" {tpf[k]:.2f} ({tpf[k] / walks['exact'][k]:.2f}x) |" for k in ks)  # noqa: E731
             lines += ["", f"Replay of the search walks over {rep['problems']} problems with these out-of-fold scores "
                           "(`pad.pivots.replay`: a preview from the labels, not a decode): accuracy change against "
-                          "the target's own text, 95% interval over problems.", "",
-                      "| rule | mismatches accepted | accuracy change | 95% interval |", "|---|---|---|---|"]
+                          "the target's own text, 95% interval over problems"
+                      + ("; tokens per target forward on the walked texts at each K, against rejecting every "
+                         "mismatch (exact)." if ks else "."), "",
+                      "| rule | mismatches accepted | accuracy change | 95% interval |"
+                      + "".join(f" tokens / forward, K = {k} |" for k in ks), "|---|---|---|---|" + "---|" * len(ks)]
+            lines += [f"| {name} | | | |" + per_k(tpf) for name, tpf in (walks or {}).items()]
             lines += [f"| {rule.split('@')[0]}@{r['threshold']:g} | {r['mismatches_accepted']:.3f} | "
                       f"{100 * r['accuracy_change']:+.1f} pts | [{100 * r['accuracy_change_ci'][0]:+.1f}, "
-                      f"{100 * r['accuracy_change_ci'][1]:+.1f}] |"
+                      f"{100 * r['accuracy_change_ci'][1]:+.1f}] |" + (per_k(r["tokens_per_forward"]) if ks else "")
                       for rule in ("pivot@sigma", "threshold@tau") for r in rep[rule]]
     return "\n".join(lines) + "\n"
 
