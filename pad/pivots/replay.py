@@ -94,7 +94,9 @@ def tokens_per_forward(reject: torch.Tensor, position: torch.Tensor, text_length
     stands for exact speculation (the walk's text instead of the target's greedy one), rejecting exactly the
     pivots for a perfect classifier (a block's bonus token may differ from the walk where a harmless
     mismatch sits there; the count ignores that), so the ratio of the two previews how far any classifier of
-    these labels can raise tokens per forward. The total over all problems: tokens / forwards.
+    these labels can raise tokens per forward. A rule that accepts a pivot would decode another text from
+    there on; the count goes on along the walk's (a preview, as the replay's answers are). The total over
+    all problems: tokens / forwards.
 
     reject, position, text_length, problem: [N], one entry per decision, each problem's decisions contiguous
     and in walk order (as ``pad.pivots.train.load_shards`` returns them); position is the decision's index
