@@ -20,6 +20,14 @@ TAUS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)  # p_target(token) >= tau accep
 KS = (8, 16)  # draft tokens a block, for tokens per target forward
 
 
+def _problem_runs(problem: torch.Tensor) -> torch.Tensor:
+    """The number of decisions of each problem, in order [P]; refuses problems whose decisions are split."""
+    ids, counts = torch.unique_consecutive(problem, return_counts=True)
+    if len(ids) != len(problem.unique()):
+        raise ValueError("the decisions of each problem must be contiguous")
+    return counts
+
+
 def replay(accept: torch.Tensor, same_answer: torch.Tensor, correct_before: torch.Tensor,
            correct_after: torch.Tensor, problem: torch.Tensor) -> dict[str, torch.Tensor]:
     """Walk every problem's decisions under a rule -> per problem (in order of first appearance) [P]:
@@ -33,16 +41,14 @@ def replay(accept: torch.Tensor, same_answer: torch.Tensor, correct_before: torc
     n = problem.numel()
     if not all(t.shape == (n,) for t in (accept, same_answer, correct_before, correct_after)):
         raise ValueError("accept, same_answer, correct_before, correct_after and problem must all be [N]")
-    ids, counts = torch.unique_consecutive(problem, return_counts=True)
-    if len(ids) != len(problem.unique()):
-        raise ValueError("the decisions of each problem must be contiguous")
-    group = torch.repeat_interleave(torch.arange(len(ids)), counts)
+    counts = _problem_runs(problem)
+    group = torch.repeat_interleave(torch.arange(len(counts)), counts)
     start = torch.cumsum(counts, 0) - counts
     stop = accept.bool() & (same_answer == 0)  # an accepted pivot: the answer changes here
     stops = torch.cumsum(stop.long(), 0)
     stops_before = stops - stop.long() - (stops - stop.long())[start][group]  # accepted pivots earlier in the problem
     seen = stops_before == 0
-    P = len(ids)
+    P = len(counts)
     first = stop & seen  # the first accepted pivot of its problem
     replayed = correct_before[start].long().clone()
     replayed[group[first]] = correct_after[first].long()
@@ -107,15 +113,13 @@ def tokens_per_forward(reject: torch.Tensor, position: torch.Tensor, text_length
         raise ValueError("reject, position, text_length and problem must all be [N]")
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    ids, counts = torch.unique_consecutive(problem, return_counts=True)
-    if len(ids) != len(problem.unique()):
-        raise ValueError("the decisions of each problem must be contiguous")
+    counts = _problem_runs(problem)
     tokens = forwards = 0
     for first, count in zip((torch.cumsum(counts, 0) - counts).tolist(), counts.tolist()):
         length = int(text_length[first])
-        rows = range(first, first + count)
-        rejected = [int(position[i]) for i in rows if reject[i]]
-        if any(not 0 <= p < length for p in (int(position[i]) for i in rows)) or rejected != sorted(set(rejected)):
+        positions = position[first : first + count].tolist()
+        rejected = [p for p, r in zip(positions, reject[first : first + count].tolist()) if r]
+        if any(not 0 <= p < length for p in positions) or rejected != sorted(set(rejected)):
             raise ValueError(f"problem {int(problem[first])}: positions must rise within [0, text_length)")
         s = 0  # the next position to decode
         for r in rejected:
