@@ -1,12 +1,12 @@
-"""The continuation engine's guessed tokens (prompt lookup): continuations stay exactly greedy decoding's
-whatever the guesses, and good guesses save forwards."""
+"""The continuation engine: continuations stay exactly greedy decoding's whatever the guessed tokens (prompt
+lookup) and however joining jobs are grouped; good guesses save forwards, and joins cost the least forwards."""
 import random
 
 import pytest
 import torch
 
 from pad.decoding.hf import eos_ids
-from pad.pivots.continuations import Continuations, Job
+from pad.pivots.continuations import Continuations, Job, join_groups
 from tiny import greedy_from_scratch, tiny_model
 
 
@@ -80,11 +80,72 @@ def test_joins_wait_for_free_rows(model):
     assert engine.joins == 2
 
 
+def _partitions(items):
+    """Every split of ``items`` into non-empty groups (the reference for ``join_groups``)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for split in _partitions(rest):
+        yield [[first], *split]
+        for g in range(len(split)):
+            yield [*split[:g], [first, *split[g]], *split[g + 1 :]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_join_groups_cost_the_least_of_all_splits(seed):
+    rng = random.Random(seed)
+    widths = [rng.choice([2, 2, 3, rng.randint(2, 300)]) for _ in range(rng.randint(1, 7))]
+    fixed = rng.choice([0, 16, 32, 100])
+    cost = lambda groups: sum(fixed + len(g) * max(widths[i] for i in g) for g in groups)  # noqa: E731
+    groups = join_groups(widths, fixed)
+    assert sorted(i for g in groups for i in g) == list(range(len(widths)))
+    assert cost(groups) == min(cost(p) for p in _partitions(list(range(len(widths)))))
+    assert [max(widths[i] for i in g) for g in groups] == sorted(max(widths[i] for i in g) for g in groups)
+
+
+def test_join_groups_by_hand():
+    # Seven decisions (2 columns) and a new prompt of 100: 8 x 100 = 800 as one forward, 32 + 14 + 32 + 100 apart.
+    assert join_groups([2, 2, 2, 100, 2, 2, 2, 2], 32) == [[0, 1, 2, 4, 5, 6, 7], [3]]
+    assert join_groups([2, 2, 2, 100, 2, 2, 2, 2], float("inf")) == [[0, 1, 2, 4, 5, 6, 7, 3]]
+    assert join_groups([5, 9], 0) == [[0], [1]] and join_groups([], 32) == []
+
+
+@torch.inference_mode()
+def test_joins_of_unlike_inputs_go_in_groups(model):
+    """Two-token jobs and long ones that join together are fed as two forwards, and every row still decodes
+    exactly as greedy decoding from scratch; finished jobs come back in the order they were submitted."""
+    eos = eos_ids(model, None)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (2, 60, 2, 2, 55, 2)]
+    budgets = [0, 0, 5, 9, 7, 0]  # budget 0: only fed, finished at the join
+    want = [greedy_from_scratch(model, p, b, eos) if b else [] for p, b in zip(prompts, budgets)]
+    engine = Continuations(model, 96, eos, -1, 6, lookahead=0, join_fixed=8)
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        engine.submit(Job(key=i, prefix=None, first=p, budget=b))
+    first = engine.step()
+    assert engine.joins == 2 and [f.job.key for f in first] == [0, 1, 5]
+    got = {f.job.key: f.job.generated for f in first}
+    while engine.busy:
+        got.update({f.job.key: f.job.generated for f in engine.step()})
+    engine.close()
+    assert got == dict(enumerate(want))
+    # One forward for all of them when a forward's fixed cost is taken as unbounded.
+    engine = Continuations(model, 96, eos, -1, 6, lookahead=0, join_fixed=float("inf"))
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        engine.submit(Job(key=i, prefix=None, first=p, budget=b))
+    engine.step()
+    engine.close()
+    assert engine.joins == 1
+
+
 def test_bad_lookahead_is_refused(model):
     with pytest.raises(ValueError, match="lookahead"):
         Continuations(model, 96, set(), -1, 4, lookahead=-1)
     with pytest.raises(ValueError, match="min_join"):
         Continuations(model, 96, set(), -1, 4, min_join=5)
+    with pytest.raises(ValueError, match="join_fixed"):
+        Continuations(model, 96, set(), -1, 4, join_fixed=-1)
 
 
 @torch.inference_mode()
