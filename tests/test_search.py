@@ -110,7 +110,8 @@ def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_pat
     assert bool(calls) == (target.config._attn_implementation == FUSED_NAME)  # the path under test ran
 
 
-def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
+@pytest.mark.parametrize("killed_at", [1 / 4, 1 / 2, 3 / 4])
+def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path, monkeypatch, killed_at):
     target, draft, problems, prompts = setup
     total = {"n": 0}
 
@@ -121,18 +122,19 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
     search.run(problems, prompts, [counting] * 6, target, draft, tmp_path / "clean", CFG, progress=False)
     calls = {"n": 0}
 
-    def dying(tokens):  # killed halfway through the clean run's work
+    def dying(tokens):  # killed part way through the clean run's work
         calls["n"] += 1
-        if calls["n"] > total["n"] // 2:
+        if calls["n"] > int(total["n"] * killed_at):
             raise KeyboardInterrupt
         return _outcome(tokens)
 
     out = tmp_path / "killed"
     with pytest.raises(KeyboardInterrupt):
         search.run(problems, prompts, [dying] * 6, target, draft, out, CFG, progress=False)
-    partial, _ = read_labels(out)
-    assert 0 < len(partial) < 6
-    in_flight = [int(load_file(str(f))["pos"]) for f in (out / "partial").glob("*.safetensors")]
+    finished = read_labels(out)[0] if (out / "index-0of1.jsonl").exists() else []
+    assert len(finished) < 6 and (killed_at < 1 / 2 or finished)
+    saved = {int(f.stem): load_file(str(f)) for f in (out / "partial").glob("*.safetensors")}
+    in_flight = [int(t["pos"]) for t in saved.values()]
     assert in_flight and max(in_flight) >= 0
     resumed = {"n": 0}
 
@@ -140,8 +142,19 @@ def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path):
         resumed["n"] += 1
         return _outcome(tokens)
 
+    submitted = []
+    real_submit = search.Continuations.submit
+    monkeypatch.setattr(search.Continuations, "submit",
+                        lambda self, job: (submitted.append(job), real_submit(self, job)))
     summary = search.run(problems, prompts, [again] * 6, target, draft, out, CFG, progress=False)
-    assert summary["skipped_done"] == len(partial)
+    # A problem resumed after a decision is not prefilled whole: its next decision feeds its text up to there.
+    for i, t in saved.items():
+        if int(t["pos"]) >= 0:
+            job = next(job for job in submitted if job.key[0] == i)
+            position, text = job.key[1], prompts[i][0].tolist() + t["text"].tolist()
+            assert position >= int(t["pos"]) and job.prefix is None
+            assert job.first == text[: prompts[i].shape[1] + position] + [job.draft_token]
+    assert summary["skipped_done"] == len(finished)
     # Every decision taken before the kill was kept: the resumed run redoes only the interrupted one, plus
     # one outcome per resumed text (a greedy text saved unfinished, position -1, has had none yet).
     assert resumed["n"] == total["n"] - (calls["n"] - 1) + sum(pos >= 0 for pos in in_flight)

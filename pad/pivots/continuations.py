@@ -9,13 +9,13 @@ cache (``Decoder.row_cache``), so the caller can continue that text later withou
 
 Jobs that join together are fed in groups of similar first inputs (``join_groups``): every row of a
 forward is fed as many columns as its longest one, so a new problem's prompt (about 100 tokens) fed beside
-decisions (2 tokens each) would compute 100 columns for each of them, and resumed texts of 200 to 700
-tokens fed as one batch would compute a third of their columns as padding.
+decisions (2 tokens each) would compute 100 columns for each of them, and texts of 200 to 700 tokens fed
+as one batch would compute a third of their columns as padding.
 
-A job with a ``draft_token`` feeds ``[token before the decision, draft token]``: the first of those two
-positions is where the target would verify the draft token, and the op ``verify_block`` computes the
-classifier's features there (hidden state at ``layer``, ``p_target(token)``, entropy) exactly as in
-decoding.
+A job with a ``draft_token`` feeds ``[token before the decision, draft token]`` last (after whatever part
+of its text its prefix lacks): the first of those two positions is where the target would verify the draft
+token, and the op ``verify_block`` computes the classifier's features there (hidden state at ``layer``,
+``p_target(token)``, entropy) exactly as in decoding.
 
 Guessed tokens (prompt lookup): a continuation mostly repeats the text it branched from, shifted. Each
 step feeds a row its last token plus up to ``lookahead`` tokens copied from the job's ``lookup`` tokens
@@ -48,7 +48,7 @@ class Job:
     prefix: tuple | None  # (keys, values): per layer [H, n, D] of the cached text before ``first``, or None
     first: list[int]  # tokens fed first
     budget: int  # new tokens to decode at most after ``first`` (0: only feed it)
-    draft_token: int | None = None  # first == [x, draft_token]: features of the draft token at x
+    draft_token: int | None = None  # first ends with [x, draft_token]: features of the draft token at x
     lookup: list[int] = field(default_factory=list)  # tokens the continuation likely repeats (guesses)
     generated: list[int] = field(default_factory=list)
     features: dict | None = None  # set when ``first`` has been fed
