@@ -3,17 +3,22 @@
 
     python bench/join_cost.py [--dtype float32] [--threads 2] [--repeats 1]
 
-Two joins as the labeler meets them, on the default target (random tokens and random cached columns;
-every job has budget 0, so a join is only its forwards):
+Joins as the labeler meets them, on the default target (random tokens and random cached columns; every
+job has budget 0, so a join is only its forwards):
 - a new problem joining beside decisions: 7 decisions (2 tokens after 400 cached columns each) and one
-  prompt of 107 tokens (the mean GSM8K prompt);
-- resumed problems: 8 texts prefilled from scratch, 190 to 690 tokens (prompt plus text, spread like the
-  64 problems in flight of ``labels/gsm8k-train-search-fp32`` on 2026-11-27: 182 to 734, mean 430).
-Also times adding 8 rows to a running batch of 56 rows of 500 columns (``Decoder.add_rows``), the copy
-each extra group pays.
+  prompt of 107 tokens (the mean GSM8K train prompt);
+- resumed problems, whole texts: 8 texts prefilled from scratch, the octiles' midpoints of prompt plus text
+  of the 64 problems in flight in ``labels/gsm8k-train-search-fp32`` on 2026-11-27 (131 to 652 tokens,
+  27,715 in all, 41,728 columns as one forward);
+- resumed problems, up to their next decision: the same 8 fed as far as a resumed problem's first job
+  feeds them (prompt plus text up to the position saved: 74 to 276 tokens, 10,873 in all for the 64).
+Also times adding 8 rows of 300 columns to a running batch of 56 rows of 500 columns whose cache grows in
+place, as the labeler's (``Decoder.add_rows``): the copy of the running cache each extra group pays.
 """
 import argparse
 import platform
+import statistics
+import time
 
 import torch
 
@@ -41,8 +46,9 @@ def _jobs(model, scenario: str, g) -> list[Job]:
         jobs = [Job(key=r, prefix=([k[r] for k in keys], [v[r] for v in values]), first=rand(2), budget=0)
                 for r in range(7)]
         return jobs + [Job(key=7, prefix=None, first=rand(107), budget=0)]
-    return [Job(key=r, prefix=None, first=rand(n), budget=0)
-            for r, n in enumerate((190, 290, 350, 400, 440, 480, 560, 690))]
+    widths = {"resumed problems, whole texts": (275, 351, 393, 421, 440, 473, 538, 595),
+              "resumed problems, up to their next decision": (102, 135, 144, 153, 168, 193, 216, 263)}[scenario]
+    return [Job(key=r, prefix=None, first=rand(n), budget=0) for r, n in enumerate(widths)]
 
 
 def main():
@@ -60,7 +66,8 @@ def main():
     print("| join | columns fed: one forward | in groups | groups | one forward s | in groups s | ratio |")
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
-        for scenario in ("new problem beside decisions", "resumed problems"):
+        for scenario in ("new problem beside decisions", "resumed problems, whole texts",
+                         "resumed problems, up to their next decision"):
             widths = [len(j.first) for j in _jobs(model, scenario, torch.Generator().manual_seed(0))]
             groups = join_groups(widths)
             times = []
@@ -80,13 +87,15 @@ def main():
                   f"{times[1]:.1f} | {times[0] / times[1]:.2f} |", flush=True)
         g = torch.Generator().manual_seed(1)
         running, joining = _cache(model, 56, 500, g), _cache(model, 8, 300, g)
-
-        def add():
-            dec = Decoder(model, vocab, 0)
-            dec.add_rows(*running, torch.ones(56, 500, dtype=torch.bool))  # taken over as is: no copy
+        times = []
+        for _ in range(args.repeats + 1):  # the first allocates fresh memory: not counted
+            dec = Decoder(model, vocab, 0, grow_in_place=True)
+            dec.add_rows(*running, torch.ones(56, 500, dtype=torch.bool))
+            start = time.perf_counter()
             dec.add_rows(*joining, torch.ones(8, 300, dtype=torch.bool))
-
-        print(f"\nadding 8 rows of 300 columns to 56 rows of 500: {median_seconds(add, args.repeats):.2f} s")
+            times.append(time.perf_counter() - start)
+            del dec
+        print(f"\nadding 8 rows of 300 columns to 56 rows of 500: {statistics.median(times[1:]):.2f} s")
 
 
 if __name__ == "__main__":

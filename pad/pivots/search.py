@@ -22,7 +22,7 @@ writes them (``pad.pivots.label.LabelWriter``). A problem in flight is saved aft
 continuations running at that moment. A resumed problem has no cache: its next decision's job feeds its
 text up to the decision, and a later one what lies between the two, so that the target never computes the
 part of a text after a harmless decision, which the continuation replaces (a resumed problem's next
-decision lies at token 48 of 323, medians of the 64 in flight on 2026-11-27). Greedy texts
+decision lay at token 48 of a 314-token text, medians of the 64 in flight on 2026-11-27). Greedy texts
 still being decoded are saved too, every ``GREEDY_SAVE_SECONDS``, and a resumed one goes on from where
 it was saved (on a CPU without native bf16 the first greedy texts of a batch take tens of minutes).
 
@@ -368,9 +368,10 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                     p.pos = t + 1
                 decisions += t not in _TEXT_JOBS
                 advance(p)
-                bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
-                                rows=engine.running, forwards=engine.forwards,
-                                tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
+            # After every step, not only when a job finishes: the first continuations take minutes.
+            bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
+                            rows=engine.running, forwards=engine.forwards, joins=engine.joins,
+                            tokens_per_forward=f"{engine.tokens / max(1, engine.forwards):.1f}")
             admit()
             if time.perf_counter() - saved >= GREEDY_SAVE_SECONDS:
                 save_greedy()
