@@ -13,18 +13,18 @@ correct before and after), so that either criterion can be trained from one run.
 answers wrong are labeled too.
 
 The continuations of many problems run as rows of one batch (``pad.pivots.continuations``): a problem's next
-decision joins as soon as its last one finished, from the cache of its current text (never prefilled
-again; a job feeds only what its cache lacks, see below). The draft's teacher-forced pass over a text is cached per problem too and runs only as far as the
-next mismatch (``DRAFT_CHUNK`` positions at a time): after a harmless decision at position t it is fed the
-new text from t on. Finished problems are written as the rollout labeler
+decision joins as soon as its last one finished, from the cache of its current text (never prefilled again; a
+job feeds only what its cache lacks, see below). The draft's teacher-forced pass over a text is cached per
+problem too and runs only as far as the next mismatch (``DRAFT_CHUNK`` positions at a time): after a harmless
+decision at position t it is fed the new text from t on. Finished problems are written as the rollout labeler
 writes them (``pad.pivots.label.LabelWriter``). A problem in flight is saved after each of its decisions
 (``partial/``: its current text, next position and records so far), so an interruption loses at most the
-continuations running at that moment. A resumed problem has no cache: its next decision's job feeds its
-text up to the decision, and a later one what lies between the two, so that the target never computes the
-part of a text after a harmless decision, which the continuation replaces (a resumed problem's next
-decision lay at token 48 of a 314-token text, medians of the 64 in flight on 2026-11-27). Greedy texts
-still being decoded are saved too, every ``GREEDY_SAVE_SECONDS``, and a resumed one goes on from where
-it was saved (on a CPU without native bf16 the first greedy texts of a batch take tens of minutes).
+continuations running at that moment. A resumed problem has no cache: its next decision's job feeds its text
+up to the decision, and a later one what lies between the two, so that the target never computes the part of a
+text after a harmless decision, which the continuation replaces (a resumed problem's next decision lay at
+token 48 of a 314-token text, medians of the 64 in flight on 2026-11-27). Greedy texts still being decoded are
+saved too, every ``GREEDY_SAVE_SECONDS``, and a resumed one goes on from where it was saved (on a CPU without
+native bf16 the first greedy texts of a batch take tens of minutes).
 
 Memory: a problem in flight holds up to ``problem_bytes`` (its text's caches in both models and its row of
 the batch). The batch is cut at start to what the memory left after loading the models holds (a warning
