@@ -1,5 +1,6 @@
 """Batched decoding: every row of a [B, P] left-padded batch decodes exactly as it would alone."""
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -284,3 +285,27 @@ def test_bad_batches():
         pad.generate(target, draft, ids, attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="only 0"):
         pad.generate(target, draft, ids, attention_mask=torch.full((2, 3), 2))
+
+
+@pytest.mark.parametrize("policy", ["exact", "target", "draft"])
+def test_warns_when_the_caches_of_a_whole_call_exceed_the_memory_left(monkeypatch, policy):
+    target, draft = tiny_pair("llama")
+    module = importlib.import_module("pad.decoding.generate")
+    ids, mask = _batch([[1, 2, 3], [4, 5, 6, 7, 8]])
+
+    def kv(model):  # keys and values of every layer, fp32
+        c = model.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+
+    models = {"target": [target], "draft": [draft]}.get(policy, [target, draft])
+    need = 2 * (5 + 6) * sum(kv(m) for m in models)  # both rows as long as the longest prompt + 6 new tokens
+    for free, warns in ((need - 1, True), (need, False), (None, False)):
+        monkeypatch.setattr(module, "available_memory", lambda free=free: free)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = pad.generate(target, draft, ids, attention_mask=mask, policy=policy, max_new_tokens=6)
+        said = [str(w.message) for w in caught if "KV cache" in str(w.message)]
+        assert len(said) == int(warns), (free, said)
+        if warns:
+            assert said[0].startswith("2 rows of up to 11 tokens need up to"), said[0]
+        assert out.sequences.shape[0] == 2  # a warning, not a refusal: rows that stop early need less

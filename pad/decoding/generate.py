@@ -12,9 +12,10 @@ import torch
 from pad_kernels import AcceptRule, FoldedClassifier, Workspace, verify_block
 from pad_kernels.verify import check_rule
 
+from ..evaluation.machine import available_memory
 from ..pivots.classifier import PivotClassifier
 from .decoder import Decoder, left_pad
-from .hf import LayerCapture, eos_ids, shared_vocab_size, vocab_size
+from .hf import LayerCapture, eos_ids, kv_bytes_per_token, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
 from .policy import DEFAULT_SIGMA, Policy, parse_policy
 from .stats import GenerationStats
@@ -158,6 +159,7 @@ def generate(
     callback: called after every block as ``callback(tokens, stats)`` with the token ids it committed (for
     streaming): at B = 1 a list of ids, at B > 1 a list of B such lists (empty for rows that committed
     nothing); both caches are cropped to the committed tokens by then.
+    On the CPU a warning says when the KV caches of every row run to its budget exceed the memory left.
     Returns ``GenerationResult(sequences [B, P + N], stats, lengths [B], row_stats)``.
     """
     parsed = parse_policy(policy) if policy is not None else Policy("pivot" if classifier is not None else "exact")
@@ -183,6 +185,8 @@ def generate(
             warnings.warn(f"{type(m).__name__} is in training mode (dropout active); call .eval() first", stacklevel=2)
     eos = eos_ids(main, eos_token_id)
     pad = _pad_id(main, pad_token_id, eos)
+    alone = {"target": (target,), "draft": (draft,)}
+    _warn_if_memory_short(alone.get(policy, (target, draft)), prompts, max_new_tokens)
 
     rows = [GenerationStats(prompt_tokens=len(p)) for p in prompts]
     gen = None
@@ -208,6 +212,20 @@ def generate(
         tail[i, : len(n)] = torch.tensor(n, dtype=torch.long)
     sequences = torch.cat([ids.cpu(), tail], 1).to(ids.device)
     return GenerationResult(sequences=sequences, stats=stats, lengths=lengths, row_stats=rows)
+
+
+def _warn_if_memory_short(models, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Warn when the KV caches of a whole call on the CPU (every row run to its budget, as long as the
+    longest: the batch's caches are padded) exceed the memory left: the system would kill the process
+    without a message once the rows grow that far. Rows that stop early need less, hence a warning."""
+    if next(models[0].parameters()).device.type != "cpu" or (free := available_memory()) is None:
+        return
+    tokens = len(prompts) * (max(map(len, prompts)) + max_new_tokens)
+    need = tokens * sum(kv_bytes_per_token(m) for m in models)
+    if need > free:
+        warnings.warn(f"{len(prompts)} rows of up to {tokens // len(prompts)} tokens need up to {need / 2**30:.2f} GiB "
+                      f"of KV cache, more than the {free / 2**30:.2f} GiB of memory left: decode fewer rows at a "
+                      "time or fewer new tokens", stacklevel=3)
 
 
 def _pad_id(model, pad_token_id, eos: set[int]) -> int:
