@@ -229,9 +229,14 @@ def test_problems_finished_in_another_folder_are_left_out(setup, tmp_path):
                progress=False)
     skip = label.finished_problems(tmp_path / "other", "gsm8k", "train")
     assert skip == {p.id for p in problems[::2]}
+    # Problem 2 was in flight here when the other folder finished it: its checkpoint goes.
+    stale = tmp_path / "here" / "partial" / "000002.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"in flight")
     summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "here", CFG, meta=meta,
                          progress=False, skip=skip)
     assert (summary["skipped_elsewhere"], summary["skipped_done"], summary["problems"]) == (3, 0, 3)
+    assert not stale.exists()
     index, tensors = read_labels(tmp_path / "here")
     assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems[1::2])
     everything = read_labels(tmp_path / "all")[1]

@@ -288,6 +288,10 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                                           **{k: v for k, v in cfg.__dict__.items() if k not in cfg.SPEED_ONLY}})
     partial = _Partial(out_dir)
     todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
+    finished = writer.done | skip  # a checkpoint of a problem finished here or elsewhere is never resumed
+    for i in range(start, len(problems)):
+        if i % shard[1] == shard[0] and problems[i].id in finished:
+            partial.remove(i)
     rows = _rows_that_fit(cfg, target, draft, max((prompts[i].shape[1] for i in todo), default=0))
     vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
     engine = Continuations(target, vocab, eos, cfg.layer, rows, cfg.lookahead)
