@@ -6,9 +6,13 @@ speculative decoding pays on a machine (verification feeds K+1 tokens per forwar
 
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
 With ``--batch``: for each batch size B, a forward over B rows of one token against B rows of ``--tokens``
-(a verification block of K = tokens - 1) after a ``--prefix``-column cache, and what the two ways of
-keeping ragged rows in one cache cost there (``pad/decoding/decoder.py``): a copy of the whole cache (unpad and
-re-pad every block) and a forward whose cache has half its columns masked out (holes).
+(a verification block of K = tokens - 1) after a ``--prefix``-column cache, each with transformers' cache
+(which concatenates the new columns to a copy of the whole cache at every forward) and with one that grows
+in place (``Decoder(..., grow_in_place=True)``); and what the two ways of keeping ragged rows in one cache
+cost there (``pad/decoding/decoder.py``): a copy of the whole cache (unpad and re-pad every block) and a
+forward whose cache has half its columns masked out (holes). The cached columns are random keys and values
+(a forward's time does not depend on them; a prefill of 16 x 512 tokens takes minutes on a CPU without
+native bf16).
 """
 import argparse
 import platform
@@ -17,7 +21,10 @@ import time
 
 import torch
 
-from pad.decoding.hf import crop_cache, forward_tail, returned_cache
+from transformers import DynamicCache
+
+from pad.decoding.decoder import growing_cache
+from pad.decoding.hf import crop_cache, forward_tail, kv_shape, returned_cache
 from pad.evaluation.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, load
 
@@ -61,20 +68,26 @@ def _median_ms(fn, repeats: int) -> float:
 
 def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> None:
     print(f"prefix {prefix} cached columns per row; a block feeds {tokens} tokens per row")
-    print(f"| B | B x 1 token, ms | B x {tokens} tokens, ms | ratio | ms per row and block | cache copy, ms "
-          f"| half the cache masked, ms |\n|---|---|---|---|---|---|---|")
+    print(f"| B | B x 1 token, ms | grown in place, ms | B x {tokens} tokens, ms | grown in place, ms | ratio "
+          f"| ms per row and block | cache copy, ms | half the cache masked, ms |\n|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
+    layers, heads, head_dim = kv_shape(model)
+    dtype = next(model.parameters()).dtype
     with torch.inference_mode():
         for B in sizes:
-            cache = returned_cache(model(torch.randint(0, 1000, (B, prefix), generator=g), use_cache=True))
+            data = [tuple(torch.randn(B, heads, prefix, head_dim, generator=g).to(dtype) for _ in "kv")
+                    for _ in range(layers)]
+            cache, grown = DynamicCache(ddp_cache_data=data), growing_cache(data)
 
-            def forward(n, mask=None):
+            def forward(n, mask=None, cache=cache):
                 ids = torch.randint(0, 1000, (B, n), generator=g)
                 forward_tail(model, ids, n, cache=cache, use_cache=True, attention_mask=mask)
                 crop_cache(cache, prefix)
 
             one = _median_ms(lambda: forward(1), repeats)
+            one_grown = _median_ms(lambda: forward(1, cache=grown), repeats)
             block = _median_ms(lambda: forward(tokens), repeats)
+            block_grown = _median_ms(lambda: forward(tokens, cache=grown), repeats)
             # Unpad and re-pad: every layer's keys and values gathered into a fresh cache, once per block.
             index = torch.arange(prefix)[None, None, :, None]
 
@@ -87,8 +100,8 @@ def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> 
             holes = torch.ones((B, prefix + tokens), dtype=torch.long)
             holes[:, : prefix : 2] = 0  # every other cached column is a hole
             masked = _median_ms(lambda: forward(tokens, holes), repeats)
-            print(f"| {B} | {one:.1f} | {block:.1f} | {block / one:.2f} | {block / B:.1f} | {copied:.1f} "
-                  f"| {masked:.1f} |")
+            print(f"| {B} | {one:.1f} | {one_grown:.1f} | {block:.1f} | {block_grown:.1f} | {block / one:.2f} "
+                  f"| {block / B:.1f} | {copied:.1f} | {masked:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 
 from pad.decoding.attention import use_gqa_sdpa
 from pad.decoding.decoder import Decoder
-from pad.decoding.hf import eos_ids, text_config
+from pad.decoding.hf import eos_ids, kv_shape, text_config
 from pad.evaluation.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, load
 from pad.pivots.continuations import JOIN_FIXED, Continuations, Job, join_groups
@@ -32,11 +32,9 @@ from pad.pivots.continuations import JOIN_FIXED, Continuations, Job, join_groups
 
 def _cache(model, rows: int, width: int, g) -> list[list[torch.Tensor]]:
     """Random keys and values, per layer [rows, H, width, D]."""
-    cfg = text_config(model)
-    H, D = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    layers, H, D = kv_shape(model)
     dtype = next(model.parameters()).dtype
-    return [[torch.randn(rows, H, width, D, generator=g).to(dtype) for _ in range(cfg.num_hidden_layers)]
-            for _ in range(2)]
+    return [[torch.randn(rows, H, width, D, generator=g).to(dtype) for _ in range(layers)] for _ in range(2)]
 
 
 def _jobs(model, scenario: str, g) -> list[Job]:

@@ -24,12 +24,18 @@ def vocab_size(model) -> int:
     return out.weight.shape[0] if out is not None else text_config(model).vocab_size
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes one token adds to the model's KV cache: keys and values of every layer, in the model's dtype."""
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of the model's KV cache: a layer's keys are [B, heads, S, head dim]."""
     c = text_config(model)
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+    return c.num_hidden_layers, heads, head_dim
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token adds to the model's KV cache: keys and values of every layer, in the model's dtype."""
+    layers, heads, head_dim = kv_shape(model)
+    return 2 * layers * heads * head_dim * next(model.parameters()).element_size()
 
 
 def eos_ids(model, eos_token_id) -> set[int]:
