@@ -254,6 +254,7 @@ def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
 
 def _rows_that_fit(cfg: SearchConfig, target, draft, longest_prompt: int) -> int:
     """``cfg.batch``, or fewer when the memory left holds fewer problems in flight (a warning says so)."""
+    release_free_memory()  # loading both models in fp32 leaves 1.5 GiB freed but held by the allocator
     free = _memory_left()
     if free is None or longest_prompt == 0:
         return cfg.batch
