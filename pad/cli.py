@@ -185,12 +185,15 @@ def _label(args) -> int:
         raise ValueError("--start must be at least 0")
     if args.method == "search":
         from .decoding.attention import use_gqa_sdpa
+        from .decoding.onednn import use_onednn_linear
         from .pivots import search
 
         # A decision is taken on the text at hand whichever kernel computed it (bf16 rounding can differ
-        # from SDPA's): the labeler takes the faster fused CPU attention where it applies.
-        use_gqa_sdpa(target, fused_cpu=True)
-        use_gqa_sdpa(draft, fused_cpu=True)
+        # from SDPA's, fp32 oneDNN's from MKL's): the labeler takes the faster fused CPU attention where it
+        # applies, and in fp32 on the CPU oneDNN's linear layers.
+        for model in (target, draft):
+            use_gqa_sdpa(model, fused_cpu=True)
+            use_onednn_linear(model)
 
         outcomes = [tasks.token_outcome(tokenizer, args.task, problem) for problem in problems]
         scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch,

@@ -171,17 +171,24 @@ def test_distribution_and_command_are_named_pad_decoding():
     assert out.returncode == 0 and out.stdout.startswith("usage: pad-decoding")
 
 
-def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folders, tmp_path, capsys):
+def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folders, tmp_path, capsys, monkeypatch):
     """pad-decoding label --method search writes a folder that train reads, with both criteria."""
     from safetensors.torch import load_file
+    from torch import nn
 
-    from pad.pivots import train
+    from pad.decoding.onednn import OneDNNLinear
+    from pad.pivots import search, train
 
     out = tmp_path / "search"
     argv = ["label", "--method", "search", "--task", "gsm8k", "--data", SAMPLE, "--limit", "4", "--max-new-tokens",
             "40", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32",
             "--layer", "-1", "--batch", "3", "--out", str(out)]
+    run, models = search.run, []
+    monkeypatch.setattr(search, "run", lambda *a, **k: models.extend(a[3:5]) or run(*a, **k))
     assert main(argv) == 0
+    # In fp32 on the CPU both models ran on oneDNN's linear layers.
+    assert len(models) == 2 and all(any(type(m) is OneDNNLinear for m in model.modules())
+                                    and not any(type(m) is nn.Linear for m in model.modules()) for model in models)
     assert "labeled 4 problems" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     assert meta["method"] == "search" and meta["weights"]["target"].startswith("folder:") and "batch" not in meta

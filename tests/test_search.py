@@ -1,12 +1,15 @@
 """The path-following (search) labeler on tiny models with a stub outcome: it takes exactly the decisions
 a plain, cacheless walk of the rule takes, batched or not, and a killed job resumes without loss."""
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from pad.decoding.attention import FUSED_NAME, use_gqa_sdpa
 from pad.decoding.hf import LayerCapture, eos_ids
+from pad.decoding.onednn import use_onednn_linear
 from pad.evaluation.tasks import Problem
 from pad.pivots import label, search
 from pad_kernels import attention, verify_block
@@ -108,6 +111,18 @@ def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_pat
         search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / f"b{b}", cfg, progress=False)
     assert_same_labels(tmp_path / "b1", tmp_path / "b4")
     assert bool(calls) == (target.config._attn_implementation == FUSED_NAME)  # the path under test ran
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_on_onednn_linear_layers_it_writes_what_it_writes_on_dense_ones(setup, tmp_path):
+    # The CLI runs the labeler in fp32 on oneDNN's linear layers (pad.decoding.onednn): only rounding differs.
+    target, draft, problems, prompts = setup
+    fast = [copy.deepcopy(m) for m in (target, draft)]
+    assert all(use_onednn_linear(m) > 0 for m in fast)
+    search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path / "dense", CFG, progress=False)
+    search.run(problems, prompts, [_outcome] * 6, *fast, tmp_path / "onednn", CFG, progress=False)
+    assert_same_labels(tmp_path / "dense", tmp_path / "onednn")
+    assert read_labels(tmp_path / "onednn")[1]  # decisions were taken
 
 
 @pytest.mark.parametrize("killed_at", [1 / 4, 1 / 2, 3 / 4])

@@ -1,0 +1,60 @@
+"""A model's fp32 linear layers on the CPU: torch's default (MKL) against oneDNN
+(``pad.decoding.onednn.OneDNNLinear``, what ``use_onednn_linear`` puts in), side by side in one run.
+
+    python bench/linear_cost.py [--model NAME] [--rows 1,16,64,107] [--threads 2] [--repeats 5]
+
+For each number of rows (one token each, as a decode step or the search labeler's running batch): the
+median time of every linear layer of one forward (each shape once, weighted by how many blocks have it,
+plus the output layer), on random weights of the model's shapes, read from its config (no weights load).
+"""
+import argparse
+import platform
+
+import torch
+from torch import nn
+from pad.decoding.onednn import OneDNNLinear
+from transformers import AutoConfig
+
+from pad.evaluation.machine import median_seconds
+from pad.models.registry import DEFAULT_TARGET, resolve
+
+
+def shapes(cfg) -> list[tuple[int, int, bool, int]]:
+    """(in, out, bias, count) of every linear layer of a Qwen2/Llama-style decoder."""
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    D = getattr(cfg, "head_dim", None) or H // heads
+    bias = bool(getattr(cfg, "attention_bias", cfg.model_type == "qwen2"))
+    return [(H, heads * D, bias, L), (H, kv * D, bias, 2 * L), (heads * D, H, False, L), (H, I, False, 2 * L),
+            (I, H, False, L), (H, cfg.vocab_size, False, 1)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--rows", default="1,16,64,107", help="comma-separated numbers of rows")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = AutoConfig.from_pretrained(resolve(args.model))
+    print(f"{args.model} float32 linear layers | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads | CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print("| rows | MKL, ms | oneDNN, ms | ratio |\n|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in [int(r) for r in args.rows.split(",")]:
+            total = [0.0, 0.0]
+            for i, o, bias, count in shapes(cfg):
+                dense = nn.Linear(i, o, bias=bias)
+                onednn = OneDNNLinear(dense)
+                x = torch.randn(rows, 1, i, generator=g)
+                for j, layer in enumerate((dense, onednn)):
+                    total[j] += count * median_seconds(lambda: layer(x), args.repeats, warmup=1)
+                del dense, onednn
+            print(f"| {rows} | {total[0] * 1e3:.0f} | {total[1] * 1e3:.0f} | {total[0] / total[1]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
