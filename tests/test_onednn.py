@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+import pad
 from pad.decoding.hf import forward_tail, returned_cache, vocab_size
 from pad.decoding.onednn import use_onednn_linear
-from tiny import greedy_from_scratch, tiny_model
+from tiny import greedy_from_scratch, tiny_model, tiny_pair
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -55,3 +56,13 @@ def test_a_layer_under_two_parents_is_converted_once():
     assert use_onednn_linear(model) == 1
     assert model["a"][0] is model["b"][0]
     torch.testing.assert_close(model["a"][0](x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_on_converted_models_decodes_the_targets_greedy_text():
+    target, draft = tiny_pair("llama", scale=0.5)
+    want = [greedy_from_scratch(target, p, 16) for p in ([5, 9, 2], [7, 1])]
+    for model in (target, draft):
+        assert pad.use_onednn_linear(model) > 0
+    ids, mask = torch.tensor([[5, 9, 2], [0, 7, 1]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    out = pad.generate(target, draft, ids, attention_mask=mask, num_draft_tokens=3, max_new_tokens=16)
+    assert [out.sequences[r, 3:].tolist() for r in range(2)] == want
