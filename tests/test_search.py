@@ -113,7 +113,6 @@ def test_batched_across_problems_writes_what_one_at_a_time_writes(setup, tmp_pat
     assert bool(calls) == (target.config._attn_implementation == FUSED_NAME)  # the path under test ran
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_on_onednn_linear_layers_it_writes_what_it_writes_on_dense_ones(setup, tmp_path):
     # The CLI runs the labeler in fp32 on oneDNN's linear layers (pad.decoding.onednn): only rounding differs.
     target, draft, problems, prompts = setup
