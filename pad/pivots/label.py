@@ -227,11 +227,16 @@ def finished_problems(folder: str | os.PathLike, task: str, split: str) -> set[s
     return {r["problem"] for index in sorted(folder.glob("index-*.jsonl")) for r in jsonl.read(index)}
 
 
+def shard_indices(count: int, start: int, shard: tuple[int, int]) -> list[int]:
+    """Indices of shard ``(i, n)``'s problems among ``count`` from ``start`` on (every n-th, from index i)."""
+    return [i for i in range(start, count) if i % shard[1] == shard[0]]
+
+
 def problems_to_do(problems: list, start: int, shard: tuple[int, int], done: set[str],
                    skip: set[str] = frozenset()) -> tuple[list[int], dict]:
     """Indices of this shard's problems from ``start`` on that are neither ``done`` (this folder) nor in
     ``skip`` (finished in another folder), and the summary that counts them."""
-    mine = [i for i in range(start, len(problems)) if i % shard[1] == shard[0]]
+    mine = shard_indices(len(problems), start, shard)
     todo = [i for i in mine if problems[i].id not in done and problems[i].id not in skip]
     elsewhere = sum(problems[i].id in skip and problems[i].id not in done for i in mine)
     return todo, {"problems": 0, "records": 0, "pivots": 0, "skipped_done": len(mine) - len(todo) - elsewhere,

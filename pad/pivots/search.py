@@ -48,7 +48,7 @@ from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_
                            shared_vocab_size)
 from ..evaluation.machine import available_memory, release_free_memory
 from .continuations import Continuations, Job
-from .label import LabelWriter, problems_to_do, softmax_stats
+from .label import LabelWriter, problems_to_do, shard_indices, softmax_stats
 
 CRITERIA = ("same-answer", "correct")
 
@@ -175,9 +175,15 @@ def _next_decision(draft, vocab: int, p: _Problem, max_new_tokens: int) -> Job |
     full = p.prompt + p.text
     n = len(p.prompt) + t - 1  # the token preceding the decision: fed with the draft token after it
     c = min(n, _cached(p))  # cached columns kept; the job feeds the text from there (a resumed problem's)
-    prefix = None if c == 0 else tuple([x[:, :c] for x in part] for part in p.cache)
+    prefix = None if c == 0 else _first_columns(p.cache, c)
     return Job(key=(p.index, t), prefix=prefix, first=[*full[c : n + 1], p.draft_top[t]],
                budget=max_new_tokens - t - 1, draft_token=p.draft_top[t], lookup=p.text[t:])
+
+
+def _first_columns(cache: tuple, n: int, copy: bool = False) -> tuple:
+    """The first ``n`` columns of a cache (parts of per-layer [H, columns, D] tensors): views, or with ``copy``
+    tensors of their own, so that the rest of the columns is freed."""
+    return tuple([x[:, :n].clone() if copy else x[:, :n] for x in part] for part in cache)
 
 
 def _cached(p: _Problem) -> int:
@@ -290,8 +296,8 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     partial = _Partial(out_dir)
     todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
     finished = writer.done | skip  # a checkpoint of a problem finished here or elsewhere is never resumed
-    for i in range(start, len(problems)):
-        if i % shard[1] == shard[0] and problems[i].id in finished:
+    for i in shard_indices(len(problems), start, shard):
+        if problems[i].id in finished:
             partial.remove(i)
     rows = _rows_that_fit(cfg, target, draft, max((prompts[i].shape[1] for i in todo), default=0))
     vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
@@ -369,7 +375,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                         p.text, p.cache, p.correct = new, done.cache, correct
                         _draft_forget(p, t)
                     elif _cached(p) < len(p.prompt) + t:  # a pivot: keep what the job fed of the text
-                        p.cache = tuple([x[:, : len(p.prompt) + t].clone() for x in part] for part in done.cache)
+                        p.cache = _first_columns(done.cache, len(p.prompt) + t, copy=True)
                     p.pos = t + 1
                 decisions += t not in _TEXT_JOBS
                 advance(p)
