@@ -55,7 +55,7 @@ def jobs():
     from ..types import RULES, SAMPLING_RULES
     from .verify_block import _accept_kernel, _draw_kernel, _split_stats_kernel, launch_config
 
-    cfg = launch_config(K=10, V=151936, H=1536, D=128)
+    cfg = launch_config(K=10, V=151936, H=1536, D=128, S=96)  # B = 1 on an H100: 96 slices, the widest merge tile
     block_v = 1024  # the launcher's chunk for slices of 1024 logits or more
     for dname, dptr in DTYPES.items():
         for scaled in (False, True):

@@ -363,14 +363,16 @@ def _draw_kernel(
         tl.store(done_ptr + b, 0)
 
 
-def launch_config(K: int, V: int, H: int, D: int) -> dict:
-    """Compile-time block sizes of the accept kernel for one shape (shared by the launcher and the
-    ahead-of-time check)."""
+def launch_config(K: int, V: int, H: int, D: int, S: int) -> dict:
+    """Compile-time block sizes of the accept kernel for one shape and ``S`` vocabulary slices (shared by the
+    launcher and the ahead-of-time check). The slices are merged up to 16 at a time, in a tile no wider than
+    S needs: with one slice (no GPU, or positions enough to fill one) a 16-wide tile would merge 15 empty
+    states per position, and Triton's interpreter runs a tree's merge function once per element in Python."""
     return dict(
         KP=max(16, triton.next_power_of_2(K + 1)),
         BLOCK_H=64 if H >= 64 else 16,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
-        SPC=16,
+        SPC=min(16, max(2, triton.next_power_of_2(S))),
     )
 
 
@@ -433,7 +435,7 @@ def verify_block_triton(
         K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
         float(rule.b), int(rule.b) if rule.name == "fly" else 0,
         num_drafts.contiguous() if num_drafts is not None else dummy,
-        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D),
+        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D, S),
     )
     if sampling and B:
         S_d, len_d = split_plan(B, V, sm_count(dev), splits)  # B positions: one per row
