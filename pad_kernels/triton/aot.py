@@ -53,9 +53,12 @@ def resources(compiled) -> dict:
 def jobs():
     """(name, kernel, signature, constexprs) for every specialization the launcher can ask for."""
     from ..types import RULES, SAMPLING_RULES
+    from ..splits import split_plan
     from .verify_block import _accept_kernel, _draw_kernel, _split_stats_kernel, launch_config
 
-    cfg = launch_config(K=10, V=151936, H=1536, D=128, S=96)  # B = 1 on an H100: 96 slices, the widest merge tile
+    # B = 1, K = 10 on an H100 (132 multiprocessors): the vocabulary split the most, the widest merge tile.
+    slices, _ = split_plan(11, 151936, 132)
+    cfg = launch_config(K=10, V=151936, H=1536, D=128, S=slices)
     block_v = 1024  # the launcher's chunk for slices of 1024 logits or more
     for dname, dptr in DTYPES.items():
         for scaled in (False, True):
