@@ -21,6 +21,11 @@ def assert_same_labels(a, b):
     strip = lambda index: sorted(({**r, "seconds": 0} for r in index), key=lambda r: r["index"])  # noqa: E731
     assert strip(ia) == strip(ib) and ta.keys() == tb.keys()
     for pid in ta:
-        assert ta[pid].keys() == tb[pid].keys()
-        for k in ta[pid]:
-            torch.testing.assert_close(tb[pid][k], ta[pid][k], rtol=0, atol=0 if k in INTS else 1e-3)
+        assert_same_records(ta[pid], tb[pid])
+
+
+def assert_same_records(a, b):
+    """One problem's records from two runs: the same fields, integers equal, features equal to fp16 rounding."""
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0 if k in INTS else 1e-3)
