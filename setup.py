@@ -3,14 +3,16 @@
 - ``pad_kernels._cpu``: the C++ CPU backend, built whenever torch's C++ extension tools work here.
 - ``pad_kernels._cuda``: the CUDA backend, with ``PAD_BUILD_CUDA=1`` (or ``auto``, the default, when
   torch has CUDA and nvcc exists). ``TORCH_CUDA_ARCH_LIST`` picks the GPUs, ``MAX_JOBS`` the parallelism.
-- ``PAD_CPU_ARCH`` (default ``native``): the ``-march`` of the CPU backend. ``native`` uses this machine's
-  vector units (AVX2/AVX-512), which the vocabulary loops need to be fast; set ``x86-64-v2`` or another
-  target to build for other machines, or ``none`` for the compiler's default.
+- The CPU backend runs on any x86-64 CPU: its vocabulary and attention loops are compiled for AVX-512, AVX2
+  and the x86-64 baseline, and the widest one the CPU runs is chosen at run time (``csrc/cpu/isa.h``;
+  ``PAD_CPU_ISA`` or ``pad_kernels.cpu.set_isa`` forces one). ``PAD_CPU_ARCH`` (default: none) adds a
+  ``-march``: ``native`` builds for this machine only (a wheel built so may crash on another CPU).
 
 A backend that cannot be built is skipped with a warning; the pure-PyTorch and Triton paths still work.
 Build with ``pip install --no-build-isolation -e .`` so that the build sees the installed torch.
 """
 import os
+import platform
 import sys
 import warnings
 
@@ -31,10 +33,13 @@ def extensions():
     # -fno-trapping-math lets GCC if-convert the float selects of the vocabulary loops (the results do not
     # change, unlike -ffast-math, which would break -inf/NaN handling); -fopenmp makes at::parallel_for
     # parallel (it is inline code in torch's headers).
-    cxx = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
-    arch = os.environ.get("PAD_CPU_ARCH", "native")
+    # -Wno-psabi: the 32-byte vectors of the baseline attention loops pass only between inline functions.
+    cxx = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi"]
+    arch = os.environ.get("PAD_CPU_ARCH", "none")
     if arch != "none":
         cxx.append(f"-march={arch}")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        cxx.append("-DPAD_MULTI_ISA=1")  # the AVX2 and AVX-512 variants beside the baseline
     exts = [CppExtension("pad_kernels._cpu", ["csrc/cpu/verify_block_cpu.cpp", "csrc/cpu/emulate_cuda.cpp",
                                                  "csrc/cpu/gqa_attention_cpu.cpp"], include_dirs=INCLUDE,
                          extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]

@@ -16,6 +16,29 @@ def available() -> bool:
     return extension() is not None
 
 
+def isa() -> str | None:
+    """The instruction set the CPU backend's loops run in (``avx512``, ``avx2`` or ``baseline``; None when
+    it is not built). The widest this CPU supports unless ``PAD_CPU_ISA`` or ``set_isa`` chose another."""
+    ext = extension()
+    return ext.isa() if ext is not None else None
+
+
+def best_isa() -> str | None:
+    """The widest instruction set this CPU and this build of the backend support (None when not built)."""
+    ext = extension()
+    return ext.best_isa() if ext is not None else None
+
+
+def set_isa(name: str) -> str:
+    """Run the CPU backend's loops in ``name`` (``auto``, ``avx512``, ``avx2``, ``baseline``) from now on, in
+    every thread; returns the set now in use. Raises ValueError for a set this CPU cannot run (instead of
+    an illegal instruction later) and RuntimeError when the backend is not built."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the CPU backend is not built: reinstall with pip install --no-build-isolation -e .")
+    return ext.set_isa(name)
+
+
 def verify_block_cpu(
     target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
     draft_tokens: torch.Tensor,  # [B, K] int64
