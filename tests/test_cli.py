@@ -63,6 +63,25 @@ def test_mismatched_tokenizers_are_refused(folders, capsys):
     assert "cannot be aligned" in capsys.readouterr().err
 
 
+def test_user_errors_are_one_line_and_bugs_keep_their_traceback(folders, monkeypatch, capsys):
+    import pad.decoding.generate as generate_module
+
+    args = ["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--prompt", "w1",
+            "--dtype", "float32", "--max-new-tokens", "2"]
+    assert main([*args, "-k", "0"]) == 2  # a user error: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("pad-decoding: error: num_draft_tokens") and "Traceback" not in err
+    with pytest.raises(ValueError, match="num_draft_tokens"):  # --debug: the traceback of a user error too
+        main(["--debug", *args, "-k", "0"])
+
+    def bug(*a, **k):
+        raise RuntimeError("an internal invariant broke")
+
+    monkeypatch.setattr(generate_module, "_decode_speculative", bug)
+    with pytest.raises(RuntimeError, match="an internal invariant broke"):  # a bug is never hidden
+        main(args)
+
+
 @pytest.mark.parametrize("command", ["bench", "label"])
 def test_bad_task_and_missing_data_are_clear_errors(folders, tmp_path, capsys, command):
     models = ["--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32"]
@@ -111,7 +130,7 @@ def test_dtype_auto_is_resolved_before_loading(folders, monkeypatch):
     from pad.models import registry
 
     real_load, seen = registry.load, []
-    monkeypatch.setattr(registry, "load", lambda name, dtype: seen.append(dtype) or real_load(name, dtype=dtype))
+    monkeypatch.setattr(registry, "load", lambda name, dtype, source=None: seen.append(dtype) or real_load(name, dtype=dtype))
     for native, want in ((False, "float32"), (True, "bfloat16")):
         monkeypatch.setattr(machine, "native_bf16", lambda native=native: native)
         seen.clear()
@@ -213,9 +232,9 @@ def test_bench_start_skips_the_problems_before_it(folders, tmp_path, capsys):
             "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32",
             "--out", str(tmp_path)]
     assert main(args + ["--start", "1", "--limit", "3"]) == 0
-    runs = [json.loads(line) for line in (tmp_path / "gsm8k_dev_k4_float32.runs.jsonl").read_text().splitlines()]
+    runs = [json.loads(line) for line in (tmp_path / "gsm8k_dev_k8_float32.runs.jsonl").read_text().splitlines()]
     assert [r["problem"] for r in runs] == ["gsm8k/dev/1", "gsm8k/dev/2"]
-    assert "gsm8k, 2 problems" in (tmp_path / "gsm8k_dev_1-2_k4_float32.md").read_text()
+    assert "gsm8k, 2 problems" in (tmp_path / "gsm8k_dev_1-2_k8_float32.md").read_text()
     capsys.readouterr()
     for start, limit in (("3", "3"), ("-1", "2")):
         assert main(args + ["--start", start, "--limit", limit]) == 2

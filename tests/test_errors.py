@@ -144,3 +144,12 @@ def test_verify_block_bad_inputs():
         verify_block(logits, drafts, temperature=1.0, draft_probs=torch.rand(1, 2, 10), uniforms=torch.rand(2))
     with pytest.raises(ValueError, match="sigma"):
         verify_block(logits, drafts, sigma=3.0)
+
+
+@pytest.mark.parametrize("policy", ["target", "draft", "exact", "threshold@0.1", "typical", "fly"])
+def test_zero_new_tokens_returns_the_prompt(pair, policy):
+    batch = torch.tensor([[0, 4, 5], [1, 2, 3]])
+    out = pad.generate(*pair, batch, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), policy=policy,
+                       max_new_tokens=0)
+    assert torch.equal(out.sequences, batch) and out.lengths.tolist() == [0, 0]
+    assert out.stats.new_tokens == 0 and out.stats.target_forwards == out.stats.draft_forwards == 0

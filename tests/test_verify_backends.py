@@ -104,6 +104,12 @@ def assert_matches(got, expected, truth, dtype):
 
 
 SHAPES = [(B, H, K, V) for B, H in ((1, 64), (3, 896)) for K in (1, 4, 10) for V in (1271, 32000, 151936)]
+
+
+def tier(backend, V):
+    """The slow tier takes the large vocabularies of the simulated kernels (the Triton interpreter, the
+    CUDA kernels emulated block by block): their small shapes keep every backend in the fast tier."""
+    return [pytest.mark.slow] if backend in ("triton", "cuda-emulated") and V >= 32000 else []
 # The Triton interpreter runs a kernel as numpy code, about a second per program over 151936 logits: it
 # gets a covering subset instead of the full product: per dtype every V, every K and both (B, H).
 TRITON_SHAPES = {
@@ -118,7 +124,7 @@ def _cases():
         for sampling in (False, True):
             for dtype in DTYPES:
                 for shape in SHAPES if backend != "triton" else TRITON_SHAPES[dtype]:
-                    yield pytest.param(backend, sampling, dtype, *shape,
+                    yield pytest.param(backend, sampling, dtype, *shape, marks=tier(backend, shape[3]),
                                        id=f"{backend}-{'sampling' if sampling else 'greedy'}-{dtype}-B{shape[0]}"
                                           f"-H{shape[1]}-K{shape[2]}-V{shape[3]}")
 
@@ -156,7 +162,7 @@ def test_cpu_extension_is_built():
         assert ("cpu" in available_backends("cpu")) == cpu.available()
 
 
-@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.slow] if b == "triton" else []) for b in FUSED])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_generate_is_token_identical_with_every_backend(backend, temperature):
     import pad
@@ -174,7 +180,7 @@ def test_generate_is_token_identical_with_every_backend(backend, temperature):
             got = pad.generate(target, draft, prompt, backend=backend, **kwargs)
             assert torch.equal(got.sequences, expected.sequences), (policy, seed)
             assert got.stats.accepted == expected.stats.accepted
-            assert got.stats.pivot_accepted == expected.stats.pivot_accepted
+            assert got.stats.relaxed_accepted == expected.stats.relaxed_accepted
 
 
 @pytest.mark.parametrize("backend", available_backends("cpu"))
@@ -236,7 +242,7 @@ def _rule_cases():
         for rule in RULE_SETTINGS:
             for sampling in (False, True) if rule.name != "fly" else (False,):
                 for dtype, shape in zip(DTYPES, RULE_SHAPES if backend != "triton" else RULE_SHAPES[:2]):
-                    yield pytest.param(backend, rule, sampling, dtype, *shape,
+                    yield pytest.param(backend, rule, sampling, dtype, *shape, marks=tier(backend, shape[3]),
                                        id=f"{backend}-{rule.name}@{rule.a:g},{rule.b:g}-"
                                           f"{'sampling' if sampling else 'greedy'}-{dtype}-B{shape[0]}-K{shape[2]}-V{shape[3]}")
 
@@ -349,7 +355,7 @@ def _split_cases():
             for n, shape in enumerate(SHAPES if backend != "triton" else TRITON_SHAPES[dtype]):
                 for m, splits in enumerate([1, 2, 7, 64] if backend != "triton" else [[2, 7, 64][(n + d) % 3]]):
                     sampling = (n + m + d) % 2 == 1
-                    yield pytest.param(backend, splits, sampling, dtype, *shape,
+                    yield pytest.param(backend, splits, sampling, dtype, *shape, marks=tier(backend, shape[3]),
                                        id=f"{backend}-S{splits}-{'sampling' if sampling else 'greedy'}-{dtype}"
                                           f"-B{shape[0]}-H{shape[1]}-K{shape[2]}-V{shape[3]}")
 

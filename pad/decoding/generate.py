@@ -23,6 +23,8 @@ from .stats import GenerationStats
 # Bumped whenever a change to the decode path can change the tokens, counts or timings it produces:
 # benchmark run logs record it and never reuse a run of another version.
 DECODE_VERSION = 2
+# Draft tokens per block when none is asked for: the K of the shipped classifier's tables (bench/ and docs/).
+DEFAULT_K = 8
 
 
 @dataclass
@@ -123,7 +125,7 @@ def generate(
     *,
     policy: str | Policy | None = None,
     classifier=None,
-    num_draft_tokens: int = 8,
+    num_draft_tokens: int = DEFAULT_K,
     sigma: float = DEFAULT_SIGMA,
     floor: float = 1e-4,
     max_new_tokens: int = 256,
@@ -198,7 +200,9 @@ def generate(
             gen.seed()
     run = _Run(prompts, rows, max_new_tokens, eos, callback, ids.shape[0] == 1, time.perf_counter())
     with torch.inference_mode():
-        if policy in ("target", "draft"):
+        if max_new_tokens == 0:  # nothing to decode: the prompt as given, no forward
+            pass
+        elif policy in ("target", "draft"):
             _decode_alone(Decoder(main if policy == "target" else draft, vocab, len(prompts)), run, policy,
                           temperature, top_p, gen, backend)
         else:
@@ -287,7 +291,7 @@ class _Run:
     def total(self) -> GenerationStats:
         total = GenerationStats()
         for s in self.rows:
-            for name in ("target_forwards", "draft_forwards", "drafted", "accepted", "pivot_accepted", "new_tokens",
+            for name in ("target_forwards", "draft_forwards", "drafted", "accepted", "relaxed_accepted", "new_tokens",
                          "prompt_tokens"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
         total.wall_time = time.perf_counter() - self.start
@@ -443,7 +447,7 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                 s.draft_forwards += k_row
                 s.drafted += k_row
                 s.accepted += committed_drafts
-                s.pivot_accepted += sum(pivot_flags[j][:committed_drafts])
+                s.relaxed_accepted += sum(pivot_flags[j][:committed_drafts])
                 if done:
                     finished.append(j)
             tgt.drop(t_holes)

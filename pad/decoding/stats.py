@@ -1,7 +1,7 @@
 """Counters of one generation and the rates derived from them."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -9,11 +9,26 @@ class GenerationStats:
     target_forwards: int = 0
     draft_forwards: int = 0
     drafted: int = 0  # draft tokens proposed to the target
-    accepted: int = 0  # draft tokens committed (pivot-accepted included)
-    pivot_accepted: int = 0  # committed only because the classifier allowed it
+    accepted: int = 0  # draft tokens committed (relaxed-accepted included)
+    # committed only because the policy's relaxed rule allowed it (the pivot classifier, typical, threshold
+    # or fly): draft tokens the exact rule would have rejected
+    relaxed_accepted: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
     wall_time: float = 0.0  # seconds
+
+    @property
+    def pivot_accepted(self) -> int:
+        """The name ``relaxed_accepted`` had before the training-free rules counted there too."""
+        return self.relaxed_accepted
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerationStats":
+        """The counters of ``to_dict`` (derived rates ignored); reads ``pivot_accepted`` of older logs."""
+        d = dict(d)
+        if "pivot_accepted" in d and "relaxed_accepted" not in d:
+            d["relaxed_accepted"] = d["pivot_accepted"]
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @property
     def acceptance_rate(self) -> float:
@@ -39,7 +54,7 @@ class GenerationStats:
 
     def summary(self) -> str:
         drafts = (f"acceptance rate {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}, "
-                  f"{self.pivot_accepted} pivot-accepted)" if self.drafted else "no draft tokens")
+                  f"{self.relaxed_accepted} by the relaxed rule)" if self.drafted else "no draft tokens")
         per_forward = f"{self.mean_accepted_length:.2f}" if self.target_forwards else "n/a"
         return (
             f"{self.new_tokens} new tokens in {self.wall_time:.2f} s ({self.tokens_per_second:.2f} tok/s); "

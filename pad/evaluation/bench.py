@@ -17,6 +17,7 @@ import torch
 from ..decoding.decoder import left_padded
 from ..decoding.generate import DECODE_VERSION, generate
 from ..decoding.policy import Policy, parse_policy
+from ..errors import PadError
 from ..models.registry import check_weights
 from . import jsonl, tasks
 from .machine import machine_line, speed_probe
@@ -89,6 +90,9 @@ class PolicyTotals:
     peak_mib: float = math.nan  # the largest peak resident memory of a timed run
     probed_seconds: float = 0.0  # wall time of the runs whose log record has a speed probe
     probe_x_seconds: float = 0.0  # their probes weighted by that time, as tokens/s weighs them
+    probe_low: float = math.inf  # the lowest and highest probe of its runs
+    probe_high: float = 0.0
+    unprobed: int = 0  # runs logged without a probe
 
     def add(self, record: dict) -> None:
         self.problems += 1
@@ -104,6 +108,10 @@ class PolicyTotals:
         if "speed_probe" in record:
             self.probed_seconds += record["seconds"]
             self.probe_x_seconds += record["speed_probe"] * record["seconds"]
+            self.probe_low = min(self.probe_low, record["speed_probe"])
+            self.probe_high = max(self.probe_high, record["speed_probe"])
+        else:
+            self.unprobed += 1
 
     def row(self, name: str, target_tps: float) -> dict:
         tps = self.new_tokens / self.wall_time if self.wall_time else math.nan
@@ -123,6 +131,9 @@ class PolicyTotals:
             "peak_mib": self.peak_mib,
             # the machine's speed when its runs were timed (``machine.speed_probe``; NaN for older logs)
             "speed_probe": self.probe_x_seconds / self.probed_seconds if self.probed_seconds else nan,
+            # its own runs were timed at speeds that do not compare (probes apart, or some without one)
+            "probe_mixed": bool(self.probed_seconds and (self.unprobed or self.probe_high > self.probe_low
+                                                          * (1 + PROBE_TOLERANCE))),
         }
 
 
@@ -256,8 +267,10 @@ def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]
     accuracy difference from the policy named "target" (paired over the same problems: ``correct[name]``
     lists every policy's outcomes in one order), split into the problems it lost (the target right, the
     policy wrong) and gained (the reverse); NaN where there is no target."""
-    target_tps = totals["target"].row("target", math.nan)["tokens_per_s"] if "target" in totals else math.nan
-    rows = [t.row(name, target_tps) for name, t in totals.items()]
+    rows = comparable_speeds([t.row(name, math.nan) for name, t in totals.items()])
+    target_tps = next((r["tokens_per_s"] for r in rows if r["policy"] == "target"), math.nan)
+    for row in rows:
+        row["speedup_vs_target"] = row["tokens_per_s"] / target_tps if not math.isnan(target_tps) else math.nan
     for row in rows:
         if "target" in correct:
             ours, theirs = correct[row["policy"]], correct["target"]
@@ -268,6 +281,29 @@ def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]
             diff = low = high = lost = gained = math.nan
         row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high,
                    lost_vs_target=lost, gained_vs_target=gained)
+    return rows
+
+
+def comparable_speeds(rows: list[dict]) -> list[dict]:
+    """Leave out (NaN, ``speed_left_out``) the tokens/s of rows timed on another machine than the rest, so that
+    no table or plot compares speeds across machines. The reference is the target row's speed probe, else the
+    median probe; a row stays when its probe is within PROBE_TOLERANCE of it and its own runs agree (all
+    probed, none apart). A row without a probe stays only when no row has one (logs older than the probe:
+    nothing to check against)."""
+    probes = sorted(r["speed_probe"] for r in rows if not math.isnan(r["speed_probe"]))
+    target = next((r for r in rows if r["policy"] == "target"), None)
+    if target is not None and not math.isnan(target["speed_probe"]):
+        reference = target["speed_probe"]
+    else:
+        reference = probes[len(probes) // 2] if probes else math.nan
+    for r in rows:
+        if math.isnan(reference):
+            keep = math.isnan(r["speed_probe"])
+        else:
+            keep = not r["probe_mixed"] and abs(r["speed_probe"] / reference - 1) <= PROBE_TOLERANCE
+        r["speed_left_out"] = not keep and not math.isnan(r["tokens_per_s"])
+        if not keep:
+            r["tokens_per_s"] = math.nan
     return rows
 
 
@@ -428,17 +464,14 @@ def markdown(rows: list[dict], header: str) -> str:
             "problems the target solves and the policy does not, and the reverse. Probe: the "
             "machine's speed on a fixed matmul when the row's runs were timed (`pad.evaluation.machine.speed_probe`,"
             " weighted by run time; n/a for runs logged before it existed).")
-    spread = probe_spread(rows)
-    if spread > PROBE_TOLERANCE:
-        note += (f"\n\n**The probes differ by {spread:.0%} between rows: those rows were timed on machines of "
-                 f"different speed (or beside another job), so their tokens/s do not compare.**")
+    left_out = [r["policy"] for r in rows if r.get("speed_left_out")]
+    if left_out:
+        note += (f"\n\n**Tokens/s left out (n/a) for {', '.join(left_out)}: timed on a machine of another speed "
+                 f"than the rest (probes more than {PROBE_TOLERANCE:.0%} apart, beside another job, or without a "
+                 "probe), so they do not compare with these rows; rerun them side by side.**")
+    elif all(_missing(r["speed_probe"]) for r in rows) and any(not _missing(r["tokens_per_s"]) for r in rows):
+        note += "\n\nNo row has a speed probe (logs older than it): that the speeds come from one machine is unchecked."
     return "\n".join(lines) + "\n\n" + note + "\n"
-
-
-def probe_spread(rows: list[dict]) -> float:
-    """max / min - 1 of the rows' speed probes (0 when fewer than two rows have one)."""
-    probes = [r["speed_probe"] for r in rows if not math.isnan(r["speed_probe"])]
-    return max(probes) / min(probes) - 1 if len(probes) > 1 else 0.0
 
 
 def write(rows: list[dict], out_dir: Path, stem: str, header: str, plot: bool = False) -> list[Path]:
@@ -522,7 +555,7 @@ def _plot(rows, path: Path, title: str) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise PadError("--plot needs matplotlib (pip install matplotlib)") from None
     target = next((r for r in rows if r["policy"] == "target"), None)
     colours: dict[str, str] = {}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..errors import PadError
+
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 
 # The first process of a run: joins the cgroup, enters the namespaces, sets the limits, then forks the
@@ -200,8 +202,8 @@ def run(program: str, *, timeout: float = 10.0, limits: Limits = Limits()) -> Ru
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     iso = isolation()
     if os.environ.get("PAD_SANDBOX", "").lower() == "strict" and not (iso.network and iso.unshare & CLONE_NEWPID):
-        raise RuntimeError(f"PAD_SANDBOX=strict: refusing to run generated code without namespaces "
-                           f"(here: {iso.describe()})")
+        raise PadError(f"PAD_SANDBOX=strict: refusing to run generated code without namespaces "
+                       f"(here: {iso.describe()})")
     return _run(iso, program, timeout, limits)
 
 

