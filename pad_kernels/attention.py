@@ -3,9 +3,8 @@
 ``gqa_attention`` runs the C++ CPU kernel (``csrc/cpu/gqa_attention_cpu.cpp``): one task per (row,
 key/value head) reads that head's cached keys and values once for all G * T queries it serves (G query
 heads, T new tokens), in fp32 whatever the input dtype, and skips column tiles no query of the task may
-see. SDPA's CPU kernels read the cache once per query head with T queries each; on two cores of an
-AVX-512 AMD EPYC, 64 rows x 3 new tokens after 700 bf16 columns (12 query heads over 2) took 10 ms a
-layer against SDPA's 24 (``python bench/attention_cost.py``). ``gqa_attention_ref`` is the spec.
+see. SDPA's CPU kernels read the cache once per query head with T queries each (speed: docs/kernels.md).
+``gqa_attention_ref`` is the spec.
 """
 from __future__ import annotations
 

@@ -84,14 +84,17 @@ def _target_joint(target, prompt, temperature, top_p):
     return torch.stack(rows)  # [V, V]
 
 
-def _generated_pairs(target, draft, prompt, samples, backend=None):
+def _generated_pairs(target, draft, prompt, samples, backend=None, copies=2000):
+    """Counts [V * V] of the first two new tokens over ``samples`` draws, taken as batches of ``copies`` rows
+    of the prompt: every row draws its own random numbers (tests/test_generate_batch.py checks that rows of
+    a batch sample independently, each as alone), so one call gives ``copies`` draws."""
     V = target.config.vocab_size
     counts = torch.zeros(V * V, dtype=torch.long)
     P = prompt.shape[1]
-    for seed in range(samples):
-        out = pad.generate(target, draft, prompt, policy="exact", num_draft_tokens=2, max_new_tokens=2,
-                           temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
-        counts[out[0, P] * V + out[0, P + 1]] += 1
+    for seed in range(samples // copies):
+        out = pad.generate(target, draft, prompt.expand(copies, -1), policy="exact", num_draft_tokens=2,
+                           max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
+        counts += torch.bincount(out[:, P] * V + out[:, P + 1], minlength=V * V)
     return counts
 
 

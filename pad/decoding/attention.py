@@ -3,17 +3,14 @@
 transformers' ``sdpa`` attention repeats every key/value head for each query head it serves
 (``repeat_kv``) whenever a forward feeds more than one token with a 2D attention mask, which is every
 verification block of a batch and every guessed step of the search labeler. For the default target (12
-query heads over 2 key/value heads) that writes and reads six copies of the whole cache per layer: on two
-cores of an AVX-512-BF16 Xeon, 16 rows x 5 new tokens after 800 cached columns took 1092 ms against 479 ms
-with SDPA's own grouped-query path (``python bench/forward_cost.py --batch 16 --tokens 5 --prefix 800``,
-run with and without ``TRANSFORMERS_SDPA_FORCE_GQA=1``). ``use_gqa_sdpa(model)`` switches a model to the
+query heads over 2 key/value heads) that writes and reads six copies of the whole cache per layer (measured
+in docs/kernels.md). ``use_gqa_sdpa(model)`` switches a model to the
 same attention with ``enable_gqa=True`` in those forwards; everything else goes to transformers' own
 ``sdpa`` function unchanged. Same mask, same scale, same kernel family: only the copy is gone.
 
 ``use_gqa_sdpa(model, fused_cpu=True)`` goes one step further on the CPU: forwards of a few new tokens per
 row over a masked cache run ``pad_kernels.attention.gqa_attention`` (a C++ kernel that reads each
-key/value head once for all the query heads and tokens it serves: 2.4x SDPA's speed for one layer at the
-search labeler's shapes, ``python bench/attention_cost.py``), the rest as above. Its fp32 sums differ from
+key/value head once for all the query heads and tokens it serves), the rest as above. Its fp32 sums differ from
 SDPA's in rounding only, which in bf16 can flip a near-tied argmax, so the decode path that benchmark run
 logs record keeps SDPA (switching it is a new ``DECODE_VERSION``); the search labeler, whose decisions are
 taken on the text at hand whichever kernel computed it, takes the fused one.

@@ -8,11 +8,8 @@ the whole cache per block. We use (a): a block then costs no copy at all; reject
 shares at the end are cropped at once (so at B = 1 no hole ever exists and a forward takes no mask, as
 before), and the rest are gathered out by ``compact`` only when that would halve the cache's width, so
 attention runs over at most about twice the columns of the longest row, a small part of a forward that
-is dominated by reading the weights, where (b) would copy the whole cache every block. Measured on the
-default target (bf16, two cores of an AVX-512-BF16 AMD EPYC, ``python bench/forward_cost.py --batch
-1,2,4,8,16``): with B = 8 rows of 512 cached columns, one copy of the cache took 84 ms against 976 ms for
-the block's forward (9% per block), while the same forward with every other cached column masked out
-took 908 ms (no slower).
+is dominated by reading the weights, where (b) would copy the whole cache every block (measured in
+docs/kernels.md: a copy costs about a tenth of a block's forward, masked columns nothing measurable).
 
 Models are used through their public API only: ``attention_mask`` (2D, one entry per cache column plus
 the new tokens), ``position_ids`` (each row's own positions) and transformers' ``DynamicCache``

@@ -2,10 +2,7 @@
 
 torch sends an fp32 ``nn.Linear`` on the CPU to MKL, whose kernels on an AMD EPYC with AVX2 run far below
 the machine's peak at the skinny shapes of decoding (a few to a hundred rows of one token). oneDNN, part
-of every x86 torch build, does not: on a 2-core AVX2 AMD EPYC the default target's linear layers (28 blocks
-and the output layer, fp32, 2 threads, two runs of ``python bench/linear_cost.py``) ran 1.28-1.52x as fast
-through oneDNN at 107 rows of one token (4.47-5.04 s through MKL), 1.43-1.61x at 64, 1.73-1.93x at 16 and
-1.11-1.18x at one. Linear layers are 91% of a step of the search labeler in fp32 there.
+of every x86 torch build, does not (measured in docs/kernels.md).
 
 The sums run in another order than MKL's, so results differ in rounding (about 1e-6 of the output's
 scale), which can flip a near-tied argmax: fine for the search labeler, whose decisions are taken on the

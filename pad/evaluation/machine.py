@@ -67,8 +67,7 @@ def available_memory(meminfo: str | os.PathLike = "/proc/meminfo",
 def release_free_memory() -> bool:
     """Give the memory freed tensors left in the C allocator back to the system (glibc's ``malloc_trim``);
     False where the C library has no such call. A long job that allocates and frees caches of many sizes
-    keeps it otherwise: a search labeler in fp32 at ``--batch 32`` held 2.2 GB of freed memory after 20
-    minutes (its resident size fell from 13.9 to 11.7 GB at one call)."""
+    keeps it otherwise (gigabytes for the search labeler: docs/kernels.md)."""
     import ctypes
 
     try:

@@ -22,9 +22,7 @@ step feeds a row its last token plus up to ``lookahead`` tokens copied from the 
 (after the latest place where the row's last tokens occur there) and keeps the longest guessed prefix the
 target's argmax agrees with, plus the target's own next token: the tokens are exactly greedy decoding's,
 only fewer forwards. Rejected guesses become holes of the cache. Guesses pay only where a forward over
-a few more tokens a row costs little more: at 64 rows of 700 cached columns on a 2-core AMD EPYC with
-AVX-512 BF16, 1, 2 and 3 tokens a row cost 0.80, 1.44 and 1.93 s (``python bench/attention_cost.py
---shapes 64x1x700,64x2x700,64x3x700``), so there guesses must be right more often than they are.
+a few more tokens a row costs little more (on a 2-core CPU with many rows it does not: docs/kernels.md).
 
 The running batch keeps its cache in layers that grow in place (``Decoder(..., grow_in_place=True)``): a
 step writes its new columns after the old ones instead of copying the whole cache.
@@ -78,9 +76,7 @@ class Job:
 
 
 # What one join forward costs beyond its columns, in columns (rows x tokens fed): reading the weights and
-# copying the running batch's cache to add the new rows. On two cores of an AMD EPYC a forward of the
-# default target over 4 rows of one token costs what about 25 columns cost in a forward of 64 rows (fp32,
-# AVX2), and with native bf16 a forward over 16 tokens costs about one token's.
+# copying the running batch's cache to add the new rows (measured in docs/kernels.md).
 JOIN_FIXED = 32
 
 

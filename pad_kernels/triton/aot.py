@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
@@ -90,6 +92,13 @@ def jobs():
                    _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd, **cfg))
 
 
+def _compile_job(arch: int, index: int):
+    """(name, cubin bytes, resources) of the index-th job of ``jobs()`` compiled for ``arch``."""
+    name, kernel, sig, constexprs = list(jobs())[index]
+    compiled = _compile(kernel, sig, constexprs, arch)
+    return name, len(compiled.asm.get("cubin", b"")), resources(compiled)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="ahead-of-time compile the Triton kernels")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
@@ -97,21 +106,21 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
         return 2
+    # Compilation is CPU-bound and each kernel independent: one process per core, results in a fixed order.
+    tasks = [(arch, i) for arch in args.arch for i in range(len(list(jobs())))]
+    with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_compile_job, *zip(*tasks)))
     count = 0
-    for arch in args.arch:
-        for name, kernel, sig, constexprs in jobs():
-            compiled = _compile(kernel, sig, constexprs, arch)
-            size = len(compiled.asm.get("cubin", b""))
-            if size == 0:
-                print(f"sm_{arch} {name}: no cubin produced", file=sys.stderr)
-                return 1
-            r = resources(compiled)
-            print(f"sm_{arch} {name}: cubin {size} bytes, {r['registers']} registers, local {r['local']} bytes, "
-                  f"shared {r['shared']} bytes, {r['warps']} warps")
-            if r["local"]:
-                print(f"sm_{arch} {name}: spills registers to local memory ({r['local']} bytes)", file=sys.stderr)
-                return 1
-            count += 1
+    for (arch, _), (name, size, r) in zip(tasks, results):
+        if size == 0:
+            print(f"sm_{arch} {name}: no cubin produced", file=sys.stderr)
+            return 1
+        print(f"sm_{arch} {name}: cubin {size} bytes, {r['registers']} registers, local {r['local']} bytes, "
+              f"shared {r['shared']} bytes, {r['warps']} warps")
+        if r["local"]:
+            print(f"sm_{arch} {name}: spills registers to local memory ({r['local']} bytes)", file=sys.stderr)
+            return 1
+        count += 1
     print(f"{count} kernels compiled, none spills")
     return 0
 
