@@ -22,6 +22,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from pathlib import Path
+
+# The CUDA sources live in the repository, not in an installed wheel: take pad_kernels from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GPUS = {"H100 SXM": dict(sms=132, tbps=3.35), "H200": dict(sms=132, tbps=4.8)}
 LAUNCH_US = 2.0  # per kernel launch (host launch; a captured graph pays less)

@@ -40,6 +40,9 @@ def _kernel_name(mangled: str) -> str:
 
 def resources(arch: int) -> dict[str, dict]:
     """Per kernel: registers, stack (bytes), spill_stores, spill_loads (bytes), shared (bytes per block)."""
+    if not os.path.isfile(SOURCE):
+        raise FileNotFoundError(f"{SOURCE} is not there: the CUDA sources ship with the repository, not the wheel; "
+                                "run this from a source checkout")
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     proc = subprocess.run([nvcc, "-c", SOURCE, "-I", os.path.join(ROOT, "csrc", "include"), "-std=c++17", "-O3",
                            "-o", os.devnull, "-gencode", f"arch=compute_{arch},code=sm_{arch}", "--resource-usage"],

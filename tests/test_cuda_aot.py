@@ -9,6 +9,7 @@ import sys
 import pytest
 
 
+@pytest.mark.toolchain
 def test_cuda_kernels_compile_without_spills():
     if not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
         pytest.skip("nvcc is not installed here (every machine of this project has it; CI runs this test)")

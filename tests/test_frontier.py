@@ -82,6 +82,7 @@ def test_frontier_joins_the_logs_of_two_k(tmp_path, seed):
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_frontier_refuses_logs_without_a_complete_policy_and_mixed_weights(tmp_path):
     rng = random.Random(2)
     log = tmp_path / "gsm8k_dev_k8_bfloat16.runs.jsonl"
@@ -94,6 +95,7 @@ def test_frontier_refuses_logs_without_a_complete_policy_and_mixed_weights(tmp_p
     assert proc.returncode == 2 and "mix runs of different weights" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_frontier_start_takes_a_span_of_problems(tmp_path):
     rng = random.Random(3)
     runs = {pol: [{**_record(p, pol, 8, rng), "speed_probe": probe} for p in range(2, 5)]

