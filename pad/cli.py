@@ -169,6 +169,8 @@ def _label(args) -> int:
     from .pivots import label
 
     tasks.check_task(args.task)
+    if args.method == "search" and (args.only_draft_wrong or args.rollouts):
+        raise ValueError("--only-draft-wrong and --rollouts belong to --method rollout (the default is search)")
     shard = label.parse_shard(args.shard)
     problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
     skip = set()  # read before the models load: a bad folder fails at once

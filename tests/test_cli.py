@@ -159,7 +159,7 @@ def test_bench_table_from_its_run_log_loads_no_weights(folders, tmp_path, monkey
 def test_label_folder_of_another_prompt_or_utility_is_refused(folders, tmp_path, monkeypatch, capsys):
     from pad.evaluation import tasks
 
-    argv = ["label", "--task", "gsm8k", "--data", SAMPLE, "--limit", "1", "--max-new-tokens", "4",
+    argv = ["label", "--method", "rollout", "--task", "gsm8k", "--data", SAMPLE, "--limit", "1", "--max-new-tokens", "4",
             "--max-rollout-tokens", "4", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
             "--dtype", "float32", "--out", str(tmp_path / "labels")]
     assert main(argv) == 2  # the default --layer -8 on a 2-layer model
@@ -175,6 +175,12 @@ def test_label_folder_of_another_prompt_or_utility_is_refused(folders, tmp_path,
     monkeypatch.setitem(tasks.UTILITY_VERSION, "gsm8k", tasks.UTILITY_VERSION["gsm8k"] + 1)
     assert main(argv) == 2
     assert "labeled with other settings" in capsys.readouterr().err
+
+
+def test_rollout_options_with_the_search_method_are_refused(folders, tmp_path, capsys):
+    models = ["--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32"]
+    assert main(["label", "--task", "gsm8k", "--data", SAMPLE, "--only-draft-wrong", "--out", str(tmp_path), *models]) == 2
+    assert "belong to --method rollout (the default is search)" in capsys.readouterr().err
 
 
 def test_distribution_and_command_are_named_pad_decoding():
