@@ -97,6 +97,7 @@ def assert_matches(got, expected, truth, dtype):
             t = truth[name]
             assert torch.isfinite(g).all(), f"{name} has non-finite or unwritten elements"
             ref_err = (e.double() - t).abs().max().item()
+            assert ref_err <= 1e-4, f"the reference's own {name} is off the fp64 truth by {ref_err:.3g}"
             err = (g.double() - t).abs().max().item()
             assert err <= 2 * ref_err + FLOOR[dtype][name], f"{name}: error {err:.3g}, reference's {ref_err:.3g}"
         else:
