@@ -13,6 +13,8 @@ Build with ``pip install --no-build-isolation -e .`` so that the build sees the 
 """
 import os
 import platform
+import re
+import subprocess
 import sys
 import warnings
 
@@ -20,6 +22,17 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = [os.path.join(ROOT, "csrc", "include")]
+
+
+def _nvcc_major(cuda_home: str) -> int | None:
+    """The major CUDA version of ``cuda_home``'s nvcc ("release 13.0" -> 13), or None if it cannot be run."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"release (\d+)\.", out)
+    return int(found.group(1)) if found else None
 
 
 def extensions():
@@ -45,6 +58,12 @@ def extensions():
                          extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
     want_cuda = os.environ.get("PAD_BUILD_CUDA", "auto").lower()
     has_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    nvcc_major = _nvcc_major(CUDA_HOME) if has_cuda else None
+    if has_cuda and nvcc_major != int(torch.version.cuda.split(".")[0]):
+        # torch refuses to build any extension when nvcc's major version differs from its own CUDA's
+        warnings.warn(f"nvcc in {CUDA_HOME} is CUDA {nvcc_major}, torch was built with CUDA {torch.version.cuda}: "
+                      "skipping the CUDA backend (set CUDA_HOME to a matching toolkit to build it)")
+        has_cuda = False
     if want_cuda == "1" or (want_cuda == "auto" and has_cuda):
         if not has_cuda:
             warnings.warn("PAD_BUILD_CUDA=1 but torch has no CUDA or nvcc is missing: skipping the CUDA backend")
