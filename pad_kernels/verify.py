@@ -236,15 +236,18 @@ def _check_out(out, B: int, K: int, device) -> VerifyResult:
     return out
 
 
+# The custom ops' annotations stay plain names (Optional[Tensor]): torch 2.5 evaluates them as strings in its
+# own namespace, where an alias of ours would not resolve.
 Tensor = torch.Tensor
-OptTensor = Optional[torch.Tensor]
 
 
 @torch.library.custom_op("pad_kernels::verify_block", mutates_args=())
 def verify_block_op(
-    target_logits: Tensor, draft_tokens: Tensor, hidden: OptTensor, w1: OptTensor, b1: OptTensor, w2: OptTensor,
-    b2: OptTensor, sigma: float, floor: float, temperature: float, draft_probs: OptTensor, uniforms: OptTensor,
-    exponentials: OptTensor, rule: int, rule_a: float, rule_b: float, num_drafts: OptTensor, backend: str,
+    target_logits: Tensor, draft_tokens: Tensor, hidden: Optional[Tensor], w1: Optional[Tensor],
+    b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
+    temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
+    exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``verify_block`` as a registered op (``torch.ops.pad_kernels.verify_block``) for torch.compile and
     CUDA graphs; arguments are checked by ``verify_block``, outputs in ``VerifyResult`` order."""
@@ -265,9 +268,11 @@ def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigm
 
 @torch.library.custom_op("pad_kernels::verify_block_out", mutates_args=VerifyResult._fields)
 def verify_block_out_op(
-    target_logits: Tensor, draft_tokens: Tensor, hidden: OptTensor, w1: OptTensor, b1: OptTensor, w2: OptTensor,
-    b2: OptTensor, sigma: float, floor: float, temperature: float, draft_probs: OptTensor, uniforms: OptTensor,
-    exponentials: OptTensor, rule: int, rule_a: float, rule_b: float, num_drafts: OptTensor, backend: str,
+    target_logits: Tensor, draft_tokens: Tensor, hidden: Optional[Tensor], w1: Optional[Tensor],
+    b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
+    temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
+    exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
+    backend: str,
     entropy: Tensor, token_prob: Tensor, argmax: Tensor, pivot_prob: Tensor, accepted: Tensor,
     pivot_accepted: Tensor, num_accepted: Tensor, next_token: Tensor, top3_entropy: Tensor,
 ) -> None:
