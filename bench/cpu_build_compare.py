@@ -18,7 +18,7 @@ import torch
 
 from pad.evaluation.machine import machine_line
 from pad_kernels import cpu
-from pad_kernels.types import empty_result, extension_inputs
+from pad_kernels.types import empty_result
 from verify_table import interleaved_medians, make_inputs
 
 
@@ -31,10 +31,15 @@ def load_other(path: Path):
 
 
 def verify_fn(ext, logits, drafts, hidden, clf):
+    """pad_kernels.cpu.verify_block_cpu run on the build ``ext``: its call into the extension is the one
+    the package makes (both builds pay the same swap of ``cpu.extension``)."""
     out = empty_result(logits.shape[0], drafts.shape[1], "cpu")
-    h, w1, b1, w2, b2, *draws = extension_inputs(hidden, clf, 0.0, None, None, None, "cpu")
-    return lambda: ext.verify_block_out(logits, drafts, h, w1, b1, w2, b2, 0.5, 1e-4, 0.0, *draws, 0, 0.0, 0.0,
-                                        None, *out) or out
+
+    def run():
+        cpu.extension = lambda: ext
+        return cpu.verify_block_cpu(logits, drafts, hidden, clf, sigma=0.5, floor=1e-4, out=out)
+
+    return run
 
 
 def main():

@@ -302,12 +302,12 @@ def test_speed_probe_rows_and_their_spread(monkeypatch):
     t = bench.PolicyTotals()
     for r in (record(10.0, 100.0), record(30.0, 200.0), record(5.0)):  # the last one predates the probe
         t.add(r)
-    assert t.row("exact", 1.0)["speed_probe"] == pytest.approx((10 * 100 + 30 * 200) / 40)  # weighted as tok/s
+    assert t.row("exact")["speed_probe"] == pytest.approx((10 * 100 + 30 * 200) / 40)  # weighted as tok/s
     old = bench.PolicyTotals()
     old.add(record(5.0))
-    assert math.isnan(old.row("target", 1.0)["speed_probe"])
-    assert t.row("exact", 1.0)["probe_mixed"]  # its runs were timed 2x apart, one without a probe
-    assert not old.row("target", 1.0)["probe_mixed"]
+    assert math.isnan(old.row("target")["speed_probe"])
+    assert t.row("exact")["probe_mixed"]  # its runs were timed 2x apart, one without a probe
+    assert not old.row("target")["probe_mixed"]
 
 
 def _timed(name, probes, seconds=10.0):

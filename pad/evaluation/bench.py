@@ -113,7 +113,7 @@ class PolicyTotals:
         else:
             self.unprobed += 1
 
-    def row(self, name: str, target_tps: float) -> dict:
+    def row(self, name: str) -> dict:
         tps = self.new_tokens / self.wall_time if self.wall_time else math.nan
         nan = math.nan
         return {
@@ -126,7 +126,7 @@ class PolicyTotals:
                                           if self.new_tokens else nan),
             "new_tokens": self.new_tokens,
             "tokens_per_s": tps,
-            "speedup_vs_target": tps / target_tps if target_tps and not math.isnan(target_tps) else nan,
+            "speedup_vs_target": nan,  # set by summary_rows, against the target row's comparable speed
             "batch_size": self.batch_size,
             "peak_mib": self.peak_mib,
             # the machine's speed when its runs were timed (``machine.speed_probe``; NaN for older logs)
@@ -267,7 +267,7 @@ def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]
     accuracy difference from the policy named "target" (paired over the same problems: ``correct[name]``
     lists every policy's outcomes in one order), split into the problems it lost (the target right, the
     policy wrong) and gained (the reverse); NaN where there is no target."""
-    rows = comparable_speeds([t.row(name, math.nan) for name, t in totals.items()])
+    rows = comparable_speeds([t.row(name) for name, t in totals.items()])
     target_tps = next((r["tokens_per_s"] for r in rows if r["policy"] == "target"), math.nan)
     for row in rows:
         row["speedup_vs_target"] = row["tokens_per_s"] / target_tps if not math.isnan(target_tps) else math.nan
