@@ -1,0 +1,1 @@
+"""pad inside serving engines: the vLLM plugin (``pad.serving.vllm``)."""

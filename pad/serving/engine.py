@@ -1,0 +1,70 @@
+"""Offline vLLM engines with pad's acceptance, for tests and side-by-side benchmarks.
+
+A thin layer over ``vllm.LLM``: the draft model as vLLM's ``draft_model`` speculator, pad's configuration
+in ``additional_config`` (``pad.serving.vllm``), and the counters vLLM keeps of its speculation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def engine(target: str, draft: str | None, *, num_draft_tokens: int = 8, pad: dict | None = None,
+           dtype: str = "float32", seed: int = 0, max_model_len: int = 2048, enforce_eager: bool = True, **kwargs):
+    """A ``vllm.LLM`` for ``target`` (a model folder), speculating with ``draft`` (None: target alone).
+
+    pad: ``additional_config["pad"]`` (for example ``{"policy": "threshold@0.2"}``); None: vLLM unchanged.
+    Extra keyword arguments go to ``vllm.LLM`` (``tensor_parallel_size``, ``max_num_seqs``, ...)."""
+    from vllm import LLM
+
+    spec = None
+    if draft is not None:
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": num_draft_tokens}
+    return LLM(model=target, speculative_config=spec, dtype=dtype, seed=seed, max_model_len=max_model_len,
+               enforce_eager=enforce_eager, additional_config={"pad": pad} if pad is not None else {},
+               disable_log_stats=False, **kwargs)
+
+
+@dataclass
+class SpeculationCounts:
+    """vLLM's speculation counters over an engine's life (``vllm:spec_decode_*``)."""
+
+    drafts: int = 0  # verification blocks (one per request and step that had drafts)
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    def __sub__(self, other: "SpeculationCounts") -> "SpeculationCounts":
+        return SpeculationCounts(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                                 self.accepted - other.accepted)
+
+
+def speculation_counts(llm) -> SpeculationCounts:
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    counts = SpeculationCounts()
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            setattr(counts, names[metric.name], getattr(counts, names[metric.name]) + int(metric.value))
+    return counts
+
+
+def generate(llm, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+             ignore_eos: bool = False) -> list[list[int]]:
+    """Token ids in, new token ids out (one list per prompt, in order)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def runner(llm):
+    """The model runner of an engine whose worker lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    executor = getattr(llm.llm_engine, "model_executor", None)  # absent when the engine core is another process
+    worker = getattr(executor, "driver_worker", None)
+    if worker is None:
+        raise RuntimeError("the engine's worker runs in another process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return worker.worker.model_runner
