@@ -1,0 +1,160 @@
+"""pad inside vLLM against vLLM alone and against pad's own loop, on the same problems, in one run.
+
+Rows: vLLM with the target alone ("target": the reference of speedups and accuracy differences), vLLM's
+exact speculative decoding (its draft_model speculator), vLLM with pad's plugin at pivot@SIGMA (the shipped
+classifier) and at threshold@TAU, then ``pad.generate``'s exact and pivot policies at batch B. Every vLLM
+engine decodes at most B requests at a time (``max_num_seqs``), so aggregate tokens/s compare at one batch
+size. Also counted: how many of the problems vLLM-exact and pad-exact answer with the same text (equal in
+exact arithmetic; kernels that round differently may flip a near tie).
+
+Run with a Python that has vLLM's CPU build (0.32.0) and pad-decoding installed (docs/serving.md), nothing
+else running:
+
+    python bench/vllm_side_by_side.py --limit 64 --batch-size 16 --dtype bfloat16
+
+Resumable: each finished row is appended to the run log in --out, and rows found there are not re-run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its counters
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+from pad.decoding.policy import DEFAULT_SIGMA  # noqa: E402
+from pad.evaluation import bench, tasks  # noqa: E402
+from pad.evaluation.machine import machine_line, speed_probe  # noqa: E402
+from pad.models import registry  # noqa: E402
+
+WARMUP_TOKENS = 16
+
+
+def vllm_rows(args, target, draft, problems, prompts):
+    """Per vLLM row, one bench record per problem (the counts ``bench.PolicyTotals`` adds up)."""
+    from pad.serving import engine as vllm_engine
+
+    configs = [("target", None, None), ("vllm exact", draft, None),
+               (f"vllm pivot@{args.sigma:g}", draft, {"policy": f"pivot@{args.sigma:g}", "classifier": "shipped"}),
+               (f"vllm threshold@{args.tau:g}", draft, {"policy": f"threshold@{args.tau:g}"})]
+    for name, row_draft, pad in configs:
+        probe = round(speed_probe(args.dtype), 1)  # before the engine starts its threads
+        llm = vllm_engine.engine(target, row_draft, num_draft_tokens=args.k, pad=pad, dtype=args.dtype,
+                                 max_num_seqs=args.batch_size, max_model_len=2048)
+        vllm_engine.generate(llm, prompts[:2], max_tokens=WARMUP_TOKENS)
+        before = vllm_engine.speculation_counts(llm) if row_draft else None
+        start = time.perf_counter()
+        outputs = vllm_engine.generate(llm, prompts, max_tokens=args.max_new_tokens)
+        seconds = time.perf_counter() - start
+        counts = vllm_engine.speculation_counts(llm) - before if row_draft else None
+        new_tokens = sum(map(len, outputs))
+        # vLLM counts blocks, drafts and accepted tokens over the engine, not per request: the per-problem
+        # records split them evenly (the table's rates are the totals' either way). A request's first token
+        # comes from its prefill forward; each later step is one block.
+        forwards = (counts.drafts if counts else new_tokens - len(prompts)) + len(prompts)
+        records = []
+        for problem, new in zip(problems, outputs):
+            reply = args.tokenizer.decode(new, skip_special_tokens=True)
+            share = len(new) / new_tokens
+            records.append({"problem": problem.id, "policy": name, "correct": bool(tasks.correct("gsm8k", problem, reply)),
+                            "new_tokens": len(new), "seconds": seconds * share, "target_forwards": forwards * share,
+                            "drafted": counts.draft_tokens * share if counts else 0,
+                            "accepted": counts.accepted * share if counts else 0, "batch_size": args.batch_size,
+                            "speed_probe": probe, "reply": reply, "tokens": new})
+        print(f"{name}: {new_tokens} tokens in {seconds:.1f} s", file=sys.stderr, flush=True)
+        yield name, records
+        del llm
+        gc.collect()
+
+
+def pad_rows(args, problems):
+    """pad.generate's exact and pivot policies through pad's own benchmark (its run log keeps the replies)."""
+    from pad.pivots.classifier import PivotClassifier
+
+    target, _ = registry.load(registry.DEFAULT_TARGET, dtype=args.dtype, source="index-gguf")
+    draft, _ = registry.load(registry.DEFAULT_DRAFT, dtype=args.dtype, source="index-gguf")
+    classifier = PivotClassifier.load(registry.shipped_classifier(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT))
+    specs = bench.parse_policies(f"exact,pivot@{args.sigma:g}")
+    log = Path(args.out) / "pad_rows.runs.jsonl"
+    bench.run("gsm8k", problems, target, draft, args.tokenizer, specs, num_draft_tokens=args.k,
+              max_new_tokens=args.max_new_tokens, classifier=classifier, batch_size=args.batch_size, log=log,
+              settings={"dtype": args.dtype, "weights": "index-gguf"})
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    ids = {p.id for p in problems}
+    for spec in specs:
+        records = [r for r in runs if r["policy"] == spec.name and r["problem"] in ids]
+        for r in records:
+            r["tokens"] = args.tokenizer(r["reply"], add_special_tokens=False).input_ids
+        yield f"pad {spec.name} (B={args.batch_size})", records
+    del target, draft
+    gc.collect()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=64, help="problems [start, limit) of GSM8K dev")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("-k", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
+    parser.add_argument("--tau", type=float, default=0.2)
+    parser.add_argument("--out", default="bench/results/vllm")
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    target = registry.resolve(registry.DEFAULT_TARGET, source="index-gguf")
+    draft = registry.resolve(registry.DEFAULT_DRAFT, source="index-gguf")
+    args.tokenizer = registry.load_tokenizer(registry.DEFAULT_TARGET, source="index-gguf")
+    problems, prompts, _ = tasks.prompted_problems(args.tokenizer, "gsm8k", "dev", start=args.start, limit=args.limit)
+    stem = f"gsm8k_dev_{args.start}-{args.limit - 1}_k{args.k}_{args.dtype}_b{args.batch_size}"
+    log = Path(args.out) / f"{stem}.rows.jsonl"
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            name, records = json.loads(line)
+            done[name] = records
+
+    def rows():
+        yield from vllm_rows(args, target, draft, problems, prompts)
+        yield from pad_rows(args, problems)
+
+    produced = rows()
+    order = ["target", "vllm exact", f"vllm pivot@{args.sigma:g}", f"vllm threshold@{args.tau:g}",
+             f"pad exact (B={args.batch_size})", f"pad pivot@{args.sigma:g} (B={args.batch_size})"]
+    if not all(name in done for name in order):
+        for name, records in produced:
+            if name not in done:
+                done[name] = records
+                with open(log, "a") as f:
+                    f.write(json.dumps([name, records]) + "\n")
+
+    totals = {name: bench.PolicyTotals() for name in order}
+    correct = {}
+    for name in order:
+        for r in done[name]:
+            totals[name].add(r)
+        correct[name] = [r["correct"] for r in done[name]]
+    table = bench.summary_rows(totals, correct)
+    same = sum(a["tokens"] == b["tokens"] for a, b in zip(done["vllm exact"], done[order[4]]))
+    differ = [a["problem"] for a, b in zip(done["vllm exact"], done[order[4]]) if a["tokens"] != b["tokens"]]
+    command = "python bench/vllm_side_by_side.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    head = (f"GSM8K dev {args.start}-{args.limit - 1} ({len(problems)} problems), K={args.k}, max "
+            f"{args.max_new_tokens} new tokens, greedy, {args.dtype}; target {registry.DEFAULT_TARGET}, draft "
+            f"{registry.DEFAULT_DRAFT} (index-gguf weights); vLLM 0.32.0 CPU build, max_num_seqs {args.batch_size}, "
+            f"enforce_eager; pad.generate at batch {args.batch_size}\n\nCommand: `{command}`\n\nMachine: "
+            f"{machine_line()}\n\nvLLM exact and pad exact give the same tokens on {same} of {len(problems)} "
+            f"problems" + (f" (differ: {', '.join(differ)})" if differ else ""))
+    for path in bench.write(table, Path(args.out), stem, head):
+        print(path)
+    print(bench.markdown(table, head))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
