@@ -36,15 +36,15 @@ from pad.models import registry  # noqa: E402
 WARMUP_TOKENS = 16
 
 
-def vllm_rows(args, target, draft, problems, prompts):
-    """Per vLLM row, one bench record per problem (the counts ``bench.PolicyTotals`` adds up)."""
+def vllm_rows(args, target, draft, problems, prompts, done):
+    """Per vLLM row not in ``done``, one bench record per problem (the counts ``bench.PolicyTotals`` adds up)."""
     from pad.serving import engine as vllm_engine
 
     configs = [("target", None, None), ("vllm exact", draft, None),
                (f"vllm pivot@{args.sigma:g}", draft, {"policy": f"pivot@{args.sigma:g}", "classifier": "shipped"}),
                (f"vllm threshold@{args.tau:g}", draft, {"policy": f"threshold@{args.tau:g}"})]
     for name, row_draft, pad in configs:
-        if args.only_exact and name != "vllm exact":
+        if (args.only_exact and name != "vllm exact") or name in done:
             continue
         probe = round(speed_probe(args.dtype), 1)  # before the engine starts its threads
         llm = vllm_engine.engine(target, row_draft, num_draft_tokens=args.k, pad=pad, dtype=args.dtype,
@@ -84,9 +84,11 @@ def pad_rows(args, problems):
     classifier = PivotClassifier.load(registry.shipped_classifier(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT))
     specs = bench.parse_policies("exact" if args.only_exact else f"exact,pivot@{args.sigma:g}")
     log = Path(args.out) / "pad_rows.runs.jsonl"
+    weights = {role: registry.weights_identity(name, source="index-gguf")
+               for role, name in (("target", registry.DEFAULT_TARGET), ("draft", registry.DEFAULT_DRAFT))}
     bench.run("gsm8k", problems, target, draft, args.tokenizer, specs, num_draft_tokens=args.k,
               max_new_tokens=args.max_new_tokens, classifier=classifier, batch_size=args.batch_size, log=log,
-              settings={"dtype": args.dtype, "weights": "index-gguf"})
+              settings={"dtype": args.dtype, "weights": weights})
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     ids = {p.id for p in problems}
     for spec in specs:
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
             done[name] = records
 
     def rows():
-        yield from vllm_rows(args, target, draft, problems, prompts)
+        yield from vllm_rows(args, target, draft, problems, prompts, done)
         yield from pad_rows(args, problems)
 
     produced = rows()

@@ -10,5 +10,5 @@ if os.environ["TRITON_INTERPRET"] == "1":
     triton_interpreter.install()
 
 # The vLLM plugin's tests need vLLM's CPU build, kept in its own environment (.ci/run makes it): where vLLM
-# is not installed they are not collected (run them there with `pytest tests/vllm`).
-collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
+# is not installed they are not collected (run them there with `pytest tests/vllm_plugin`).
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm_plugin"]
