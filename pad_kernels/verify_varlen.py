@@ -110,7 +110,7 @@ def verify_block_varlen(
     if not counts:
         return _empty(target_logits.device)
     B, V, device = len(counts), target_logits.shape[1], target_logits.device
-    K = max(counts, default=0)
+    K = max(counts)
     if temperature > 0:  # drawn here, so that padding never consumes a draw
         if uniforms is None:
             uniforms = torch.rand(sum(counts), device=device)
@@ -123,7 +123,7 @@ def verify_block_varlen(
     else:
         # Scatter positions: request b's j-th row goes to padded[b, j].
         b_of = torch.repeat_interleave(torch.arange(B), torch.tensor(counts) + 1)
-        j_of = torch.cat([torch.arange(k + 1) for k in counts]) if B else torch.zeros(0, dtype=torch.long)
+        j_of = torch.cat([torch.arange(k + 1) for k in counts])
         rows_at = (b_of.to(device), j_of.to(device))
         draft_mask = j_of < torch.tensor(counts)[b_of]  # packed rows that carry a draft token
         toks_at = (rows_at[0][draft_mask.to(device)], rows_at[1][draft_mask.to(device)])

@@ -213,7 +213,6 @@ class Acceptance:
     config: ServingConfig
     folded: object = None  # pad_kernels.FoldedClassifier
     capture: HiddenCapture | None = None
-    blocks: int = 0
     relaxed: torch.Tensor | None = None  # [] int64 on the device: see relaxed_accepted
 
     @property
@@ -403,7 +402,6 @@ def _output(res, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_
     n = res.num_accepted[:, None]
     nxt = torch.where(n < k[:, None], res.next_token[:, None], bonus_token_ids.long().reshape(B, 1))
     out = torch.where(pos < n, row_drafts, torch.where(pos == n, nxt, PLACEHOLDER))
-    acceptance.blocks += 1
     relaxed = res.pivot_accepted.sum()  # on the device: no sync per block
     acceptance.relaxed = relaxed if acceptance.relaxed is None else acceptance.relaxed + relaxed
     return out.to(torch.int32)
