@@ -104,7 +104,8 @@ def _generate(args) -> int:
 
     result = generate(
         target, draft, input_ids, policy=args.policy, classifier=classifier,
-        num_draft_tokens=args.num_draft_tokens, sigma=args.sigma, floor=args.floor, draft_stop=args.draft_stop,
+        num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens, sigma=args.sigma,
+        floor=args.floor, draft_stop=args.draft_stop,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         callback=stream if args.stream else None,
     )
@@ -151,7 +152,7 @@ def _bench(args) -> int:
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,
-                     draft_stop=args.draft_stop,
+                     draft_stop=args.draft_stop, max_draft_tokens=args.max_draft_tokens,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
@@ -252,6 +253,19 @@ def _doctor(args) -> int:
 
 DRAFT_STOP_HELP = ("adaptive draft length: a row stops drafting after a token at which the draft's top "
                    "probability is below this; -k is then the most a block drafts")
+DRAFT_LENGTH_HELP = (f"draft tokens per block (default {DEFAULT_K}), or auto: each block's K chosen from the "
+                     "models' measured forward costs and the rows' acceptance so far (0 = a plain target step)")
+MAX_DRAFT_HELP = "with -k auto: the largest K a block may take (default 12)"
+
+
+def _draft_length(text: str):
+    """-k: an integer (its range is generate's to check) or auto."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a draft length is an integer or auto, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--policy", help=f"{', '.join(POLICIES)}, with settings after @ (pivot@0.3, typical@0.09,0.3, "
                                     "threshold@0.2, fly@0.3,6); default: pivot with a classifier, else exact")
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULT_K)
+    g.add_argument("--num-draft-tokens", "-k", type=_draft_length, default=DEFAULT_K, help=DRAFT_LENGTH_HELP)
+    g.add_argument("--max-draft-tokens", type=int, help=MAX_DRAFT_HELP)
     g.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
     g.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP)
     g.add_argument("--floor", type=float, default=1e-4)
@@ -291,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "hf-target (transformers' batched generate, target alone)")
     b.add_argument("--batch-size", "-b", type=int, default=1,
                    help="problems decoded together per policy (tokens/s is then aggregate)")
-    b.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULT_K)
+    b.add_argument("--num-draft-tokens", "-k", type=_draft_length, default=DEFAULT_K,
+                   help=DRAFT_LENGTH_HELP + " (of the policies without their own, POLICY:K or POLICY:auto)")
+    b.add_argument("--max-draft-tokens", type=int, help=MAX_DRAFT_HELP)
     b.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP + " (every speculative policy)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)

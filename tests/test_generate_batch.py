@@ -8,6 +8,7 @@ import torch
 import pad
 import pad.decoding.decoder
 import pad_kernels.verify_ref as ref
+from test_draft_length import Schedule
 from test_generate_pivot import _classifier
 from test_sampling_distribution import ALPHA, _p_value, _target_joint, _wrong_residual
 from tiny import ARCHS, tiny_model, tiny_pair
@@ -102,7 +103,7 @@ def test_pivot_rows_at_batch_size_one_and_more_agree():
     assert sum(s.relaxed_accepted for s in batched.row_stats) > 0  # the classifier really accepted tokens
 
 
-def _batched_pairs(target, draft, rows, samples, backend=None, copies=2000):
+def _batched_pairs(target, draft, rows, samples, backend=None, copies=2000, k=2):
     """Counts [len(rows), V * V] of each row's first two new tokens over ``samples`` draws: every call
     decodes ``copies`` of each row, interleaved, so rows of different lengths share every batch; the
     copies draw their own random numbers (identical copies would show as overdispersion)."""
@@ -112,8 +113,8 @@ def _batched_pairs(target, draft, rows, samples, backend=None, copies=2000):
     ids, mask = _batch(rows * copies)
     P = ids.shape[1]
     for seed in range(samples // copies):
-        out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact", num_draft_tokens=2,
-                           max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
+        out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact",
+                           num_draft_tokens=k() if callable(k) else k, max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
         pairs = out[:, P] * V + out[:, P + 1]
         for r in range(len(rows)):
             counts[r] += torch.bincount(pairs[r :: len(rows)], minlength=V * V)
@@ -128,6 +129,11 @@ def test_batched_sampling_keeps_each_rows_target_distribution(monkeypatch):
     counts = _batched_pairs(target, draft, rows, 10_000)
     for r in range(len(rows)):
         assert _p_value(counts[r], joints[r]) > ALPHA, f"row {r}"
+    # K chosen per block: a plain target step then a block of one draft, and the reverse.
+    for ks in ([0, 1], [1, 0]):
+        counts = _batched_pairs(target, draft, rows, 10_000, k=lambda: Schedule(ks))
+        for r in range(len(rows)):
+            assert _p_value(counts[r], joints[r]) > ALPHA, f"schedule {ks} row {r}"
     monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
     counts = _batched_pairs(target, draft, rows, 10_000, backend="torch")
     assert min(_p_value(counts[r], joints[r]) for r in range(len(rows))) < ALPHA
@@ -188,10 +194,15 @@ class Spy:
         return dec.spy_tokens[b][dec.valid_host[b]].tolist()
 
 
+@pytest.mark.parametrize("lengths", ["fixed", "schedule"])
 @pytest.mark.parametrize("compact_at", [0.5, 0.0])
 @pytest.mark.parametrize("policy,temperature", [("exact", 0.0), ("exact", 1.0), ("pivot", 0.0)])
-def test_cache_invariant_after_every_block(monkeypatch, policy, temperature, compact_at):
+def test_cache_invariant_after_every_block(monkeypatch, policy, temperature, compact_at, lengths):
+    """Fixed K = 4, or a K per block with K = 0 blocks (plain target steps: the draft does not run, so it
+    falls one more token behind per such block and catches up at the next block that drafts)."""
     target, draft = tiny_pair("llama", scale=0.5)
+    chooser = Schedule([0, 0, 2, 0, 4, 0, 0, 0, 1, 3]) if lengths == "schedule" else None
+    k = chooser if chooser is not None else 4
     monkeypatch.setattr(pad.decoding.decoder, "COMPACT_AT", compact_at)  # 0: gather the holes out after every block
     clf = _classifier(target, 1) if policy == "pivot" else None
     spy = Spy(monkeypatch)
@@ -208,19 +219,28 @@ def test_cache_invariant_after_every_block(monkeypatch, policy, temperature, com
         for b, r in enumerate(tgt.spy_rows):
             # The target attends to exactly the row's prompt and committed tokens but the newest (unseen).
             assert spy.attended(tgt, b) == committed[r][:-1], f"block {checked['blocks']} row {r}"
-            # The draft to a prefix of them (it has not seen the newest one or two).
-            d = spy.attended(drf, b)
-            assert d == committed[r][: len(d)] and len(committed[r]) - 2 <= len(d) <= len(committed[r]) - 1
+            # The draft to a prefix of them: it has not seen the newest one or two, nor the tokens of the K = 0
+            # blocks since it last ran (nothing at all before its first block).
+            d = spy.attended(drf, b) if drf.valid_host.shape[1] else []
+            chosen = chooser.chosen if chooser is not None else [4]
+            behind = len(chosen) - max((i + 1 for i, c in enumerate(chosen) if c), default=0)
+            if behind == len(chosen):
+                assert d == []
+            else:
+                assert d == committed[r][: len(d)]
+                assert len(committed[r]) - 2 - behind <= len(d) <= len(committed[r]) - 1 - behind
         checked["blocks"] += 1
 
     ids, mask = _batch(rows)
     out = pad.generate(target, draft, ids, attention_mask=mask, policy=policy, classifier=clf, sigma=0.6,
-                       num_draft_tokens=4, max_new_tokens=40, temperature=temperature, seed=1, callback=check)
+                       num_draft_tokens=k, max_new_tokens=40, temperature=temperature, seed=1, callback=check)
     tgt, drf = spy.decoders
     for r in range(len(rows)):
         assert committed[r] == rows[r] + out.sequences[r, ids.shape[1] : ids.shape[1] + out.lengths[r]].tolist()
     assert checked["blocks"] == max(s.target_forwards for s in out.row_stats)
-    if compact_at == 0.0:
+    if chooser is not None:
+        assert chooser.chosen.count(0) >= 5 and out.stats.draft_lengths[0] == chooser.chosen.count(0)
+    if compact_at == 0.0 and chooser is None:
         assert tgt.compactions > 0 and drf.compactions > 0
         # Gathering the holes out changes no token: the same call without it decodes the same.
         monkeypatch.setattr(pad.decoding.decoder, "COMPACT_AT", 2.0)

@@ -142,6 +142,11 @@ class Decoder:
         self.tokens_fed = torch.zeros(rows, dtype=torch.long)  # real tokens fed per row (holes excluded)
         self.compactions = 0
 
+    @property
+    def width(self) -> int:
+        """Columns of the cache (attended or holes): what a forward's attention runs over."""
+        return self.valid_host.shape[1]
+
     def forward(self, ids: torch.Tensor, fed: torch.Tensor, keep: int) -> torch.Tensor:
         """Feed ``ids`` [B, T] on the device; ``fed`` [B, T] (host bool) is False for a hole, a column no
         one will attend to. Returns logits [B, keep, vocab] of the last ``keep`` columns."""
@@ -180,7 +185,8 @@ class Decoder:
     def select(self, rows: list[int]) -> None:
         """Keep only batch rows ``rows`` (indices), in that order (finished rows leave the batch)."""
         index = torch.tensor(rows, dtype=torch.long)
-        self.cache.batch_select_indices(index.to(self.device))
+        if self.cache is not None:  # None: nothing fed yet (a draft that every block so far left out)
+            self.cache.batch_select_indices(index.to(self.device))
         self.valid_host, self.valid = self.valid_host[index], self.valid[index.to(self.device)]
         self.tokens_fed = self.tokens_fed[index]
         self.drop(torch.zeros((len(rows), 0), dtype=torch.bool))

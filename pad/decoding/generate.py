@@ -15,6 +15,7 @@ from pad_kernels.verify import check_rule
 from ..evaluation.machine import available_memory
 from ..pivots.classifier import PivotClassifier
 from .decoder import Decoder, left_pad
+from .draft_length import DEFAULT_MAX_DRAFT_TOKENS, AutoDraftLength, ForwardCost, synchronize
 from .hf import LayerCapture, eos_ids, kv_bytes_per_token, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
 from .policy import DEFAULT_SIGMA, Policy, parse_policy
@@ -59,8 +60,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p):
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+    if not isinstance(num_draft_tokens, AutoDraftLength) and (
+            not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1):
+        raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {num_draft_tokens!r}")
     for name, value in (("sigma", sigma), ("floor", floor)):
         if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -72,6 +74,17 @@ def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_toke
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if policy == "pivot" and classifier is None and sigma > 0:
         raise ValueError("policy 'pivot' needs a classifier (or sigma=0, which is the exact policy)")
+
+
+def _draft_length(num_draft_tokens, max_draft_tokens):
+    """generate's K arguments -> an int K or an ``AutoDraftLength``."""
+    if isinstance(num_draft_tokens, str):
+        if num_draft_tokens != "auto":
+            raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {num_draft_tokens!r}")
+        return AutoDraftLength(DEFAULT_MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens)
+    if max_draft_tokens is not None:
+        raise ValueError("max_draft_tokens caps num_draft_tokens='auto'; with a fixed K, give only num_draft_tokens")
+    return num_draft_tokens
 
 
 def _prompts(input_ids, attention_mask) -> tuple[torch.Tensor, list[list[int]]]:
@@ -125,7 +138,8 @@ def generate(
     *,
     policy: str | Policy | None = None,
     classifier=None,
-    num_draft_tokens: int = DEFAULT_K,
+    num_draft_tokens: int | str | AutoDraftLength = DEFAULT_K,
+    max_draft_tokens: int | None = None,
     sigma: float = DEFAULT_SIGMA,
     floor: float = 1e-4,
     max_new_tokens: int = 256,
@@ -150,6 +164,12 @@ def generate(
     relaxation: ``"typical@EPSILON,DELTA"``, ``"threshold@TAU"``, ``"fly@GATE,WINDOW"`` (``pad.decoding.policy``; a
     parsed ``pad.Policy`` works too); None means ``"pivot"`` when a classifier is given, else ``"exact"``.
     classifier: a ``PivotClassifier`` or the folder it was saved to.
+    num_draft_tokens: draft tokens per block (K), or ``"auto"``: before each block, the K in
+    0..``max_draft_tokens`` (default 12) that maximises the batch's expected new tokens per second, from
+    each model's measured forward cost and each row's acceptance so far (``pad.decoding.draft_length``;
+    K = 0 is a plain target step). The first call in a process times a few forwards of each model at the
+    batch's size first (seconds); later calls reuse those costs. Decisions are those of a fixed K of the
+    same value: exact stays exact. An ``AutoDraftLength`` instance works too (its own cap and cost models).
     temperature 0 is greedy; > 0 samples (with top_p), reproducibly when ``seed`` is set.
     pad_token_id: fills the rows that end before the longest (default: the target's generation config,
     else its first EOS id).
@@ -169,6 +189,7 @@ def generate(
     if parsed.sigma is not None:
         sigma = parsed.sigma
     check_rule(rule, temperature)  # a greedy-only rule with sampling fails before any model runs
+    num_draft_tokens = _draft_length(num_draft_tokens, max_draft_tokens)
     if draft_stop is not None and not (isinstance(draft_stop, (int, float)) and 0.0 <= draft_stop <= 1.0):
         raise ValueError(f"draft_stop must be None or a probability in [0, 1], got {draft_stop!r}")
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
@@ -258,6 +279,13 @@ class _Run:
         self.single = single
         self.start = start
         self._block: list[list[int]] = []
+        self.draft_lengths: dict[int, int] = {}  # K -> blocks
+        self.timed = []  # (predicted, measured) seconds of the blocks whose K was chosen
+
+    def record_block(self, k: int, predicted: float, seconds: float) -> None:
+        self.draft_lengths[k] = self.draft_lengths.get(k, 0) + 1
+        if math.isfinite(predicted):
+            self.timed.append((predicted, seconds))
 
     def budget(self, r: int) -> int:
         return self.max_new_tokens - len(self.new[r])
@@ -295,6 +323,11 @@ class _Run:
                          "prompt_tokens"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
         total.wall_time = time.perf_counter() - self.start
+        total.draft_lengths = dict(sorted(self.draft_lengths.items()))
+        total.predicted_time = sum(p for p, _ in self.timed)
+        total.timed_blocks_time = sum(m for _, m in self.timed)
+        total.block_time_error = (sum(abs(p - m) / m for p, m in self.timed) / len(self.timed)
+                                  if self.timed else math.nan)
         return total
 
 
@@ -357,30 +390,46 @@ def _decode_alone(dec, run, policy, temperature, top_p, gen, backend) -> None:
             pending = [pending[j] for j in keep]
 
 
-def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temperature, top_p, gen,
+def _decode_speculative(tgt, drf, run, clf, lengths, sigma, floor, temperature, top_p, gen,
                         backend, rule: AcceptRule = AcceptRule(), draft_stop: float | None = None) -> None:
     """Draft K tokens for every live row, verify all rows in one target forward, accept a prefix per row,
-    commit, mark each row's rejected columns as holes, drop finished rows."""
+    commit, mark each row's rejected columns as holes, drop finished rows. ``lengths``: K of every block
+    (int) or an ``AutoDraftLength`` that chooses each block's K (0: a plain target step)."""
     folded: FoldedClassifier | None = clf.fold().to(tgt.device) if clf is not None else None
     capture = LayerCapture(tgt.model, clf.layer) if clf is not None else None
     # Committed tokens each model has not seen yet, per batch row (first: the whole prompt).
     pend_t, pend_d = [list(p) for p in run.prompts], [list(p) for p in run.prompts]
     blocks = 0
-    workspace = Workspace(len(run.live), num_draft_tokens, tgt.device)  # the op's outputs, reused by every block
+    auto = lengths if isinstance(lengths, AutoDraftLength) else None
+    top = auto.max_draft_tokens if auto is not None else lengths
+    workspace = Workspace(len(run.live), top, tgt.device)  # the op's outputs, reused by every block
+    if auto is not None:
+        auto.bind(tgt.model, drf.model, len(run.live), max(map(len, run.prompts)))
+        acceptance = auto.acceptance(tgt.model, drf.model, (rule, sigma, floor, clf is not None and id(clf),
+                                                             temperature, top_p, draft_stop), len(run.live))
+    clock = _ForwardClock(auto)
     try:
         while run.live:
             b = len(run.live)
+            start = time.perf_counter()
             # Never draft past the largest budget: k drafts and one correction/bonus token make at most k + 1.
-            k = min(num_draft_tokens, max(run.budget(r) for r in run.live))
+            limit = max(run.budget(r) for r in run.live)
+            if auto is not None:
+                k, predicted = auto.choose(
+                    acceptance.estimates(), tgt.width, drf.width, target_pending=max(map(len, pend_t)),
+                    draft_pending=max(map(len, pend_d)), limit=limit,
+                    remaining=sum(run.budget(r) for r in run.live) / b)
+            else:
+                k, predicted = min(lengths, limit), math.nan
 
             # 1. Draft: k tokens autoregressively; the first forward also feeds the committed tokens it lacks.
             # With draft_stop, a row's own length ends after a draft step whose top probability is low, and
             # drafting ends when every row has stopped (one host sync per draft step).
-            ids, fed = left_pad(pend_d, drf.device)
+            ids, fed = left_pad(pend_d, drf.device) if k else (None, None)
             drafts, draft_probs = [], []
-            lengths = torch.full((b,), k, dtype=torch.long) if draft_stop is not None else None
+            stops = torch.full((b,), k, dtype=torch.long) if draft_stop is not None and k else None
             for step in range(k):
-                logits = drf.forward(ids, fed, keep=1)[:, -1]  # [b, V]
+                logits = clock.forward(drf, ids, fed, 1, draft=True)[:, -1]  # [b, V]
                 if gen is not None:
                     q = sampling_probs(logits, temperature, top_p).to(tgt.device)  # the generator's device
                     ids = torch.multinomial(q, 1, generator=gen)
@@ -389,28 +438,33 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                     ids = logits.argmax(-1, keepdim=True)
                 fed = torch.ones((b, 1), dtype=torch.bool)
                 drafts.append(ids)
-                if lengths is not None:
-                    top = (q if gen is not None else torch.softmax(logits.float(), -1)).max(-1).values.cpu()
-                    lengths = torch.where((lengths == k) & (top < draft_stop), step + 1, lengths)
-                    if bool((lengths <= step + 1).all()):
+                if stops is not None:
+                    top_prob = (q if gen is not None else torch.softmax(logits.float(), -1)).max(-1).values.cpu()
+                    stops = torch.where((stops == k) & (top_prob < draft_stop), step + 1, stops)
+                    if bool((stops <= step + 1).all()):
                         break
             k = len(drafts)  # fewer than asked when every row stopped (each length is then <= that)
-            draft_tokens = torch.cat(drafts, 1).to(tgt.device)  # [b, k]
+            draft_tokens = (torch.cat(drafts, 1) if k else torch.empty((b, 0), dtype=torch.long)).to(tgt.device)
 
             # 2. Verify: one target forward over [unseen committed..., d_1..d_k] of every row, then the fused op.
+            # A block without drafts (k = 0) is a plain target step: nothing for the classifier to judge.
             ids, fed = left_pad(pend_t, tgt.device)
+            judge = capture is not None and k > 0
             if capture is not None:
                 capture.keep = k + 1
-            target_logits = tgt.forward(torch.cat([ids, draft_tokens], 1),
-                                        torch.cat([fed, torch.ones((b, k), dtype=torch.bool)], 1), keep=k + 1)
+            target_logits = clock.forward(tgt, torch.cat([ids, draft_tokens], 1),
+                                          torch.cat([fed, torch.ones((b, k), dtype=torch.bool)], 1), k + 1, draft=False)
             uniforms, exponentials = _random_draws(gen, b, k, tgt.vocab, tgt.device)
+            if gen is not None:
+                draft_probs = (torch.stack(draft_probs, 1) if k else
+                               target_logits.new_zeros((b, 0, tgt.vocab), dtype=torch.float32)).to(tgt.device)
             res = verify_block(
                 warp_logits(target_logits, temperature, top_p), draft_tokens,
-                capture.value if capture is not None else None, folded,
+                capture.value if judge else None, folded if judge else None,
                 sigma=sigma, floor=floor, temperature=temperature,
-                draft_probs=torch.stack(draft_probs, 1).to(tgt.device) if gen is not None else None,
+                draft_probs=draft_probs if gen is not None else None,
                 uniforms=uniforms, exponentials=exponentials, rule=rule, backend=backend,
-                num_drafts=lengths.to(tgt.device) if lengths is not None else None, out=workspace,
+                num_drafts=stops.to(tgt.device) if stops is not None else None, out=workspace,
             )
 
             # 3. Accept: the block's only device-to-host sync.
@@ -425,21 +479,26 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
             blocks += 1
 
             # 4. Commit each row's accepted prefix and its correction/bonus token; the columns of its rejected
-            # drafts become holes (the target fed [last, d_1..d_k], the draft d_1..d_{k-1} last).
+            # drafts become holes (the target fed [last, d_1..d_k], the draft d_1..d_{k-1} last). Without
+            # drafts the draft model did not run: the committed token joins what it has not seen yet.
             t_holes = torch.zeros((b, k + 1), dtype=torch.bool)
-            d_holes = torch.zeros((b, k - 1), dtype=torch.bool)
-            finished = []
+            d_holes = torch.zeros((b, max(k - 1, 0)), dtype=torch.bool)
+            finished, verified = [], []
             for j, r in enumerate(run.live):
                 n = accepted[j]
                 # Alone, this row would have drafted only up to its own budget (and its own draft_stop
                 # length): count those drafts only.
-                k_row = min(k if lengths is None else int(lengths[j]), run.budget(r))
+                k_row = min(k if stops is None else int(stops[j]), run.budget(r))
+                verified.append(k if stops is None else int(stops[j]))
                 kept, done = run.commit(r, drafted[j][:n] + [tokens[j]])
                 c = len(kept)  # n + 1 unless an EOS or the budget cut the block short
                 t_holes[j, c:] = True
                 d_holes[j, min(n, c - 1) :] = True
                 pend_t[j] = [tokens[j]]
-                pend_d[j] = drafted[j][k - 1 :] + [tokens[j]] if n == k else [tokens[j]]
+                if not k:
+                    pend_d[j] = pend_d[j] + [tokens[j]]
+                else:
+                    pend_d[j] = drafted[j][k - 1 :] + [tokens[j]] if n == k else [tokens[j]]
                 # 5. Stats: count only draft tokens that were committed.
                 s = run.rows[r]
                 committed_drafts = min(n, len(kept))
@@ -448,15 +507,56 @@ def _decode_speculative(tgt, drf, run, clf, num_draft_tokens, sigma, floor, temp
                 s.drafted += k_row
                 s.accepted += committed_drafts
                 s.relaxed_accepted += sum(pivot_flags[j][:committed_drafts])
+                s.draft_lengths[k] = s.draft_lengths.get(k, 0) + 1
                 if done:
                     finished.append(j)
             tgt.drop(t_holes)
-            drf.drop(d_holes)
+            if k:
+                drf.drop(d_holes)
+            if auto is not None:
+                if k:
+                    acceptance.update(accepted, verified)
+                seconds = time.perf_counter() - start
+                auto.record_overhead(seconds - clock.take())
+                run.record_block(k, predicted, seconds)
+            else:
+                run.record_block(k, math.nan, math.nan)
             keep = run.end_block(finished)
             if finished and run.live:  # finished rows leave the batch
                 tgt.select(keep)
                 drf.select(keep)
                 pend_t, pend_d = [pend_t[j] for j in keep], [pend_d[j] for j in keep]
+                if auto is not None:
+                    acceptance.select(keep)
     finally:
         if capture is not None:
             capture.remove()
+        if auto is not None:
+            auto.remember(acceptance)
+
+
+class _ForwardClock:
+    """Times the decode's forwards into the cost models of an ``AutoDraftLength`` (nothing without one)."""
+
+    def __init__(self, auto: AutoDraftLength | None):
+        self.auto = auto
+        self.seconds = 0.0  # forwards' time since the last ``take``
+
+    def forward(self, dec: Decoder, ids: torch.Tensor, fed: torch.Tensor, keep: int, draft: bool) -> torch.Tensor:
+        if self.auto is None:
+            return dec.forward(ids, fed, keep)
+        rows, tokens, columns = ids.shape[0], ids.shape[1], dec.width
+        synchronize(dec.device)
+        start = time.perf_counter()
+        logits = dec.forward(ids, fed, keep)
+        synchronize(dec.device)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        cost = self.auto.draft_cost if draft else self.auto.target_cost
+        if isinstance(cost, ForwardCost):
+            cost.add(rows, tokens, columns, seconds)
+        return logits
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

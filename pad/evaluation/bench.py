@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.decoder import left_padded
+from ..decoding.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from ..decoding.generate import DECODE_VERSION, generate
 from ..decoding.policy import Policy, parse_policy
 from ..errors import PadError
@@ -39,34 +40,56 @@ class PolicySpec:
     policy: str  # "target" | "draft" | "exact" | "pivot" | "typical" | "threshold" | "fly" | "hf-assisted" | "hf-target"
     sigma: float = 0.0
     parsed: Policy | None = None  # for pad.generate's policies
+    k: int | str | None = None  # its own draft length ("exact:4", "exact:auto"); None: the bench's
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """``"target,exact,pivot@0.5,typical@0.09,0.3"`` -> specs; raises ValueError on an unknown name or bad
-    settings. Policies are separated by commas; a policy's own settings by commas too, so a comma followed
-    by a number continues the policy before it (``typical@0.09,0.3,fly`` is two policies)."""
+    """``"target,exact,pivot@0.5,typical@0.09,0.3,exact:4,exact:auto"`` -> specs; raises ValueError on an
+    unknown name or bad settings. Policies are separated by commas; a policy's own settings by commas too, so
+    a comma followed by a number continues the policy before it (``typical@0.09,0.3,fly`` is two policies).
+    A speculative policy may end in ``:K`` or ``:auto``, its own draft length (else the bench's ``-k``)."""
     specs, names = [], []
     for part in (t.strip() for t in text.split(",") if t.strip()):
-        if names and "@" in names[-1] and _is_number(part):
+        if names and "@" in names[-1] and ":" not in names[-1] and _is_number(part.partition(":")[0]):
             names[-1] += "," + part
         else:
             names.append(part)
     for name in names:
-        if name in HF_POLICIES:
-            specs.append(PolicySpec(name, name))
+        base, _, k_text = name.partition(":")
+        k = parse_draft_length(k_text, name) if k_text else None
+        if base in HF_POLICIES:
+            if k == "auto":
+                raise ValueError(f"{name}: transformers' assisted generation runs at a fixed K here (hf-assisted:K)")
+            specs.append(PolicySpec(name, base, k=k))
             continue
         try:
-            parsed = parse_policy(name)
+            parsed = parse_policy(base)
         except ValueError as e:
             raise ValueError(f"{e}; the benchmark also runs {', '.join(HF_POLICIES)}") from None
         if parsed.name == "pivot" and parsed.sigma is None:
             raise ValueError("write the pivot policy with its sigma: pivot@SIGMA")
-        specs.append(PolicySpec(name, parsed.name, parsed.sigma or 0.0, parsed))
+        if k is not None and parsed.name in ("target", "draft"):
+            raise ValueError(f"{name}: policy {parsed.name} drafts nothing, so it takes no draft length")
+        specs.append(PolicySpec(name, parsed.name, parsed.sigma or 0.0, parsed, k))
     if not specs:
         raise ValueError("no policies given")
     if len({s.name for s in specs}) < len(specs):
         raise ValueError(f"a policy is listed twice in {text!r}")
     return specs
+
+
+def parse_draft_length(text: str, where: str = "") -> int | str:
+    """``"8"`` -> 8, ``"auto"`` -> "auto"; raises ValueError otherwise."""
+    text = str(text).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"a draft length is an integer >= 1 or 'auto', got {text!r}" + (f" in {where!r}" if where else ""))
+    return k
 
 
 def _is_number(text: str) -> bool:
@@ -86,6 +109,10 @@ class PolicyTotals:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    row_blocks: int = 0  # blocks summed over rows (each row counts the blocks it took part in)
+    row_block_drafts: int = 0  # their K summed
+    predicted_time: float = 0.0  # auto K: the chooser's predicted block seconds and the measured ones
+    timed_blocks_time: float = 0.0
     batch_size: int = 0  # the largest batch its problems were decoded in
     peak_mib: float = math.nan  # the largest peak resident memory of a timed run
     probed_seconds: float = 0.0  # wall time of the runs whose log record has a speed probe
@@ -105,6 +132,11 @@ class PolicyTotals:
         self.target_forwards += record["target_forwards"]
         self.drafted += record["drafted"]
         self.accepted += record["accepted"]
+        lengths = {int(k): n for k, n in record.get("draft_lengths", {}).items()}
+        self.row_blocks += sum(lengths.values())
+        self.row_block_drafts += sum(k * n for k, n in lengths.items())
+        self.predicted_time += record.get("predicted_time", 0.0)
+        self.timed_blocks_time += record.get("timed_blocks_time", 0.0)
         if "speed_probe" in record:
             self.probed_seconds += record["seconds"]
             self.probe_x_seconds += record["speed_probe"] * record["seconds"]
@@ -126,6 +158,10 @@ class PolicyTotals:
                                           if self.new_tokens else nan),
             "new_tokens": self.new_tokens,
             "tokens_per_s": tps,
+            "mean_draft_length": self.row_block_drafts / self.row_blocks if self.row_blocks else nan,
+            # auto K: predicted / measured time of the chosen blocks (1.0 = the cost model was right on average)
+            "predicted_vs_measured": (self.predicted_time / self.timed_blocks_time if self.timed_blocks_time
+                                      else nan),
             "speedup_vs_target": nan,  # set by summary_rows, against the target row's comparable speed
             "batch_size": self.batch_size,
             "peak_mib": self.peak_mib,
@@ -189,10 +225,10 @@ class RunLog:
             jsonl.append(self.path, record)
 
 
-def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *, num_draft_tokens: int,
-        max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
+def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *,
+        num_draft_tokens: int | str, max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
         settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1,
-        draft_stop: float | None = None) -> list[dict]:
+        draft_stop: float | None = None, max_draft_tokens: int | None = None) -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
     Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` one at a time:
@@ -200,7 +236,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     With ``log``, finished runs are appended there and runs already in it (same ``settings``) are not
     repeated: an interrupted benchmark resumes, and baseline runs survive a new classifier. ``models``: a
     callable returning (target, draft), called the first time a run is missing, in place of ``target`` and
-    ``draft`` (so a table of logged runs is printed without loading any weights).
+    ``draft`` (so a table of logged runs is printed without loading any weights). ``num_draft_tokens``: K of
+    the policies without their own (``PolicySpec.k``); ``"auto"`` with ``max_draft_tokens`` as in ``generate``.
     """
     from tqdm.auto import tqdm
 
@@ -226,9 +263,12 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
         chunk = problems[start : start + batch_size]
         for spec in specs:
             size = 1 if spec.policy == "hf-assisted" else len(chunk)
+            k = spec.k if spec.k is not None else num_draft_tokens
             for group in (chunk[i : i + size] for i in range(0, len(chunk), size)):
-                key = {**base, **extra.get(spec.policy, {}),
+                key = {**base, **extra.get(spec.policy, {}), "k": k,
                        "batch_size": 1 if spec.policy == "hf-assisted" else batch_size}
+                if k == "auto":
+                    key["max_draft_tokens"] = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS
                 found = [runs.find(key, p.id, spec.name) for p in group]
                 if any(r is None for r in found):
                     if target is None:
@@ -239,11 +279,12 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
-                                   num_draft_tokens, min(WARMUP_TOKENS, max_new_tokens), eos, score=False,
-                                   draft_stop=draft_stop)
+                                   k, min(WARMUP_TOKENS, max_new_tokens), eos, score=False,
+                                   draft_stop=draft_stop, max_draft_tokens=max_draft_tokens)
                         warm.add(spec.name)
                     fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
-                                       num_draft_tokens, max_new_tokens, eos, draft_stop=draft_stop)
+                                       k, max_new_tokens, eos, draft_stop=draft_stop,
+                                       max_draft_tokens=max_draft_tokens)
                     for i, (p, record) in enumerate(zip(group, fresh)):
                         if found[i] is None:  # counted as logged, so a table from the log alone is the same
                             found[i] = {"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
@@ -398,10 +439,10 @@ def _hf_target(target, ids, mask, max_new_tokens, eos, pad) -> tuple[list[list[i
 
 
 def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
-               score: bool = True, draft_stop: float | None = None) -> list[dict]:
+               score: bool = True, draft_stop: float | None = None, max_draft_tokens: int | None = None) -> list[dict]:
     """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
-    PolicyTotals adds up; ``seconds`` is the batch's wall time split evenly over its rows). ``score=False``:
-    a warm-up, not scored."""
+    PolicyTotals adds up; ``seconds`` and, with auto K, the predicted and measured block times are the
+    batch's split evenly over its rows). ``score=False``: a warm-up, not scored."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     batch, mask = left_padded(ids, pad)
     _reset_peak_memory()
@@ -415,10 +456,12 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
                           classifier=classifier if spec.policy == "pivot" else None, floor=floor,
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                          draft_stop=draft_stop)
-        seconds, P = result.stats.wall_time, batch.shape[1]
+                          draft_stop=draft_stop, max_draft_tokens=max_draft_tokens if k == "auto" else None)
+        seconds, P, total = result.stats.wall_time, batch.shape[1], result.stats
         rows = [(result.sequences[i, P : P + int(result.lengths[i])].tolist(),
-                 {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted})
+                 {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted,
+                  "draft_lengths": s.draft_lengths, "predicted_time": total.predicted_time / len(group),
+                  "timed_blocks_time": total.timed_blocks_time / len(group)})
                 for i, s in enumerate(result.row_stats)]
     peak = _peak_memory_mib()
     records = []
@@ -435,7 +478,7 @@ COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acc
            ("mean_accepted_length", "tokens / target forward", "{:.2f}"),
            ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
            ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("accuracy_vs_target", "accuracy - target [95% CI]", None),
-           ("lost_vs_target", "lost / gained", None),
+           ("lost_vs_target", "lost / gained", None), ("mean_draft_length", "mean K", "{:.2f}"),
            ("new_tokens", "new tokens", "{}"),
            ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}"),
            ("speed_probe", "probe GFLOP/s", "{:.0f}")]
@@ -447,7 +490,7 @@ def _missing(x) -> bool:
 
 def markdown(rows: list[dict], header: str) -> str:
     def cell(row, key, fmt):
-        value = row[key]
+        value = row.get(key, math.nan)  # rows of older tables lack newer columns
         if _missing(value):
             return "n/a"
         if key == "accuracy_vs_target":  # points, with the paired interval
@@ -604,5 +647,6 @@ def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, dra
     batch = (f"; batches of {batch_size} problems (hf-assisted one at a time: transformers refuses batches)"
              if batch_size > 1 else "")
     drafts = f"K={k}" if draft_stop is None else f"K<={k} (drafting stops below draft probability {draft_stop:g})"
+    drafts += " unless a policy gives its own (policy:K)"
     return (f"{task}, {n} problems, {drafts}, max {max_new_tokens} new tokens, greedy, {dtype}; target {target_name}, "
             f"draft {draft_name}{clf}{batch}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

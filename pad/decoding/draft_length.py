@@ -1,0 +1,346 @@
+"""The draft length of each block, chosen from measured forward costs and live acceptance
+(``num_draft_tokens="auto"``).
+
+A block with K draft tokens costs the draft's K forwards plus one target forward over K + 1 tokens per row,
+and yields per row its accepted prefix plus one token. Whether that beats a plain target step (K = 0)
+depends on the machine: while a forward is bound by reading the weights, K + 1 tokens cost about what one
+does; once rows x tokens make it compute-bound (wide batches on a CPU), every extra token costs. So the
+costs are measured, not assumed: ``ForwardCost`` fits a small model of one model's forward time to the
+forwards it has seen, and ``AutoDraftLength`` picks, before each block, the K in 0..max_draft_tokens that
+maximises the batch's expected new tokens per second.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import deque
+
+import numpy as np
+import torch
+
+# Knees tried by the fit (tokens per forward where the cost per token changes; see ForwardCost).
+KNEES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Online observations kept per model (the oldest are dropped, so a drifting machine is followed).
+MAX_OBSERVATIONS = 512
+# Per-token acceptance assumed before any block was verified, and its weight in pseudo-trials: rows
+# shrink towards the batch's pooled estimate, the pool towards this prior. Optimistic on purpose: a K = 0
+# block verifies nothing, so a pessimistic prior could keep speculation off where it would pay and never
+# learn otherwise; an optimistic one tries it and learns within a few blocks.
+PRIOR_ACCEPTANCE = 0.9
+PRIOR_TRIALS = 4.0
+# Trials of earlier calls (same models, policy and sampling settings, this process) a new call starts from,
+# scaled down to this many so that its own blocks soon outweigh them.
+REMEMBERED_TRIALS = 64.0
+DEFAULT_MAX_DRAFT_TOKENS = 12
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """Least squares with non-negative coefficients (Lawson and Hanson's active-set method):
+    ``argmin_x ||a x - b||`` subject to ``x >= 0``; a [M, N], b [M] -> x [N]."""
+    n = a.shape[1]
+    free = np.zeros(n, dtype=bool)  # coefficients allowed to move (the passive set)
+    x = np.zeros(n)
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        if free.all() or gradient[~free].max() <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > tol).all():
+                x = z
+                break
+            # Step from x towards z until the first coefficient reaches zero; it leaves the free set.
+            blocked = free & (z <= tol)
+            step = np.min(x[blocked] / np.maximum(x[blocked] - z[blocked], tol))
+            x = x + step * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x
+
+
+def _features(rows, tokens, columns, knee: float) -> np.ndarray:
+    """[M, 6] features of ForwardCost's model for arrays of rows B, tokens T and columns S."""
+    rows, tokens, columns = (np.asarray(v, dtype=np.float64) for v in (rows, tokens, columns))
+    n = rows * tokens
+    return np.stack([np.ones_like(n), rows, n, np.maximum(n - knee, 0.0), rows * columns, n * columns], -1)
+
+
+class ForwardCost:
+    """Seconds of one model's forward over B rows of T new tokens after S cached columns.
+
+    ``t(B, T, S) = c0 + c1 B + c2 N + c3 max(0, N - knee) + c4 B S + c5 N S``, with N = B T tokens:
+    c0 a forward's fixed cost (reading the weights while that bounds it), c1 per row, c2 per token, c3 the
+    extra cost per token once the forward turns compute-bound past ``knee`` tokens, c4 per cached column of
+    a row (reading, and in transformers' cache copying, the keys and values), c5 attention's work per
+    token and column. Fitted by least squares on the relative error with every c >= 0 (``nnls``), the
+    knee the best of ``KNEES``; refitted lazily after new observations.
+    """
+
+    def __init__(self, observations=()):
+        self.observations: deque = deque(maxlen=MAX_OBSERVATIONS)  # (B, T, S, seconds)
+        self.coefficients: np.ndarray | None = None
+        self.knee = 1.0
+        self._fitted = 0  # observations added when last fitted
+        self._added = 0
+        for o in observations:
+            self.add(*o)
+
+    def __len__(self) -> int:
+        return len(self.observations)
+
+    def add(self, rows: int, tokens: int, columns: int, seconds: float) -> None:
+        if rows > 0 and tokens > 0 and seconds > 0 and math.isfinite(seconds):
+            self.observations.append((int(rows), int(tokens), int(columns), float(seconds)))
+            self._added += 1
+
+    def shapes(self) -> set[tuple[int, int]]:
+        """The (B, T) pairs observed."""
+        return {(b, t) for b, t, _, _ in self.observations}
+
+    def fit(self) -> None:
+        """Fit the coefficients to the observations (a no-op when nothing was added since the last fit)."""
+        if self._added == self._fitted or not self.observations:
+            return
+        obs = np.array(self.observations, dtype=np.float64)
+        seconds = obs[:, 3]
+        best = None
+        for knee in KNEES:
+            a = _features(obs[:, 0], obs[:, 1], obs[:, 2], knee) / seconds[:, None]  # relative error
+            scale = np.abs(a).max(0)
+            scale[scale == 0] = 1.0
+            c = nnls(a / scale, np.ones(len(obs))) / scale
+            error = float(np.sum((a @ c - 1.0) ** 2))
+            if best is None or error < best[0] - 1e-12:
+                best = (error, knee, c)
+        _, self.knee, self.coefficients = best
+        self._fitted = self._added
+
+    def predict(self, rows: int, tokens: int, columns: int) -> float:
+        """Predicted seconds of one forward; NaN before any observation."""
+        self.fit()
+        if self.coefficients is None:
+            return math.nan
+        return float(_features([rows], [tokens], [columns], self.knee)[0] @ self.coefficients)
+
+    def relative_errors(self) -> list[tuple[int, int, int, float, float]]:
+        """(B, T, S, measured, predicted) per observation: the fit checked against what it was fitted to."""
+        return [(b, t, s, sec, self.predict(b, t, s)) for b, t, s, sec in self.observations]
+
+    def to_dict(self) -> dict:
+        return {"observations": [list(o) for o in self.observations]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ForwardCost":
+        return cls(tuple(o) for o in d["observations"])
+
+
+# The cost models of the models in this process, per (device, dtype, threads): later calls of generate
+# start from what earlier ones measured instead of probing again.
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Acceptance trials of earlier calls: target -> {(id of the draft, settings): [accepted, rejected]}.
+_TRIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def forward_cost(model) -> ForwardCost:
+    """The process-wide ``ForwardCost`` of ``model`` on its current device and dtype and torch's thread count."""
+    p = next(model.parameters())
+    key = (str(p.device), str(p.dtype), torch.get_num_threads())
+    return _COSTS.setdefault(model, {}).setdefault(key, ForwardCost())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock times it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe(model, cost: ForwardCost, rows: int, tokens: list[int], columns: int) -> None:
+    """Time forwards of ``rows`` rows of each of ``tokens`` new tokens after ``columns`` cached columns
+    (random keys and values: the time does not depend on them) and add them to ``cost``. Each shape runs
+    twice and the second is kept: a first forward of a new shape also pays for setting kernels up."""
+    from transformers import DynamicCache
+
+    from .hf import forward_tail, kv_shape
+
+    p = next(model.parameters())
+    layers, heads, head_dim = kv_shape(model)
+    g = torch.Generator().manual_seed(0)
+    vocab = min(1000, model.config.vocab_size)
+    with torch.inference_mode():
+        for t in tokens:
+            for attempt in range(2):
+                data = [tuple(torch.randn(rows, heads, columns, head_dim, generator=g).to(p) for _ in "kv")
+                        for _ in range(layers)]
+                cache = DynamicCache(ddp_cache_data=data)
+                ids = torch.randint(0, vocab, (rows, t), generator=g).to(p.device)
+                synchronize(p.device)
+                start = time.perf_counter()
+                forward_tail(model, ids, t, cache=cache, use_cache=True)
+                synchronize(p.device)
+                seconds = time.perf_counter() - start
+            cost.add(rows, t, columns, seconds)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """New tokens a row commits from a block of k drafts when each draft is accepted with probability
+    ``acceptance`` given the ones before it: ``1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)``."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class RowAcceptance:
+    """Per-token acceptance of each live row, estimated from its verified blocks.
+
+    A block of k drafts of which n were accepted is n accepted trials and, when n < k, one rejected trial
+    (positions after a rejection were never judged). A row's estimate is shrunk towards the batch's pooled
+    estimate by ``PRIOR_TRIALS`` pseudo-trials, the pool towards ``PRIOR_ACCEPTANCE``.
+    """
+
+    def __init__(self, rows: int, prior: float = PRIOR_ACCEPTANCE, remembered: tuple[float, float] = (0.0, 0.0)):
+        """``remembered``: (accepted, rejected) trials of earlier calls, counted in the pool."""
+        self.prior = prior
+        self.accepted = np.zeros(rows)
+        self.rejected = np.zeros(rows)
+        # the trials of rows that left the batch (and remembered ones) stay in the pool
+        self.gone_accepted, self.gone_rejected = remembered
+        self.remembered = remembered
+
+    def update(self, accepted: list[int], drafts: list[int]) -> None:
+        """One block: per batch row the drafts accepted and the drafts it verified."""
+        for j, (n, k) in enumerate(zip(accepted, drafts)):
+            self.accepted[j] += n
+            self.rejected[j] += n < k
+
+    def select(self, keep: list[int]) -> None:
+        gone = np.ones(len(self.accepted), dtype=bool)
+        gone[keep] = False
+        self.gone_accepted += self.accepted[gone].sum()
+        self.gone_rejected += self.rejected[gone].sum()
+        self.accepted, self.rejected = self.accepted[keep], self.rejected[keep]
+
+    def new_trials(self) -> tuple[float, float]:
+        """(accepted, rejected) trials of this call's blocks."""
+        return (float(self.accepted.sum() + self.gone_accepted - self.remembered[0]),
+                float(self.rejected.sum() + self.gone_rejected - self.remembered[1]))
+
+    def estimates(self) -> np.ndarray:
+        """[B] per-token acceptance of each live row."""
+        acc = self.accepted.sum() + self.gone_accepted
+        trials = acc + self.rejected.sum() + self.gone_rejected
+        pooled = (acc + PRIOR_TRIALS * self.prior) / (trials + PRIOR_TRIALS)
+        return (self.accepted + PRIOR_TRIALS * pooled) / (self.accepted + self.rejected + PRIOR_TRIALS)
+
+
+class AutoDraftLength:
+    """Chooses each block's K in 0..``max_draft_tokens``: the K that maximises the expected new tokens per
+    second of the whole batch,
+
+        sum_r E_r(K) / (draft(K) + target(K) + overhead),
+
+    with ``E_r`` the expected tokens of row r (``expected_tokens`` at its ``RowAcceptance`` estimate),
+    ``draft(K)`` the draft's K one-token forwards, ``target(K)``
+    one target forward over K + 1 tokens per row, both from the models' ``ForwardCost``, and ``overhead`` the
+    rest of a block (verification, bookkeeping) as measured so far. K = 0 is a plain target step.
+
+    ``target_cost`` / ``draft_cost``: cost models to use (anything with ``predict(rows, tokens, columns)``);
+    None: the process-wide ones of the models (``forward_cost``), probed on first use where they lack the
+    shapes a choice needs.
+    """
+
+    def __init__(self, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, *, target_cost=None, draft_cost=None,
+                 prior_acceptance: float = PRIOR_ACCEPTANCE):
+        if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
+        if not 0.0 <= prior_acceptance < 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1), got {prior_acceptance!r}")
+        self.max_draft_tokens = max_draft_tokens
+        self.target_cost, self.draft_cost = target_cost, draft_cost
+        self.prior_acceptance = prior_acceptance
+        self.overhead = 0.0  # seconds of a block outside the forwards (running mean)
+        self._overheads = 0
+
+    def bind(self, target, draft, rows: int, columns: int) -> None:
+        """Before a call's first block: the process-wide cost models of ``target`` and ``draft`` unless given,
+        probed at ``rows`` (and one row) where they lack those shapes."""
+        if self.target_cost is None:
+            self.target_cost = forward_cost(target)
+        if self.draft_cost is None:
+            self.draft_cost = forward_cost(draft)
+        k = self.max_draft_tokens
+        plan = ((target, self.target_cost, sorted({1, 2, (k + 2) // 2, k + 1})), (draft, self.draft_cost, [1, 2, 4]))
+        for model, cost, tokens in plan:
+            if not isinstance(cost, ForwardCost):
+                continue  # a planted cost model (tests) needs no measurement
+            for b in sorted({rows, 1}):
+                missing = [t for t in tokens if (b, t) not in cost.shapes()]
+                if missing:
+                    probe(model, cost, b, missing, max(columns, 1))
+
+    def acceptance(self, target, draft, settings, rows: int) -> RowAcceptance:
+        """A call's ``RowAcceptance``, its pool seeded with the trials of earlier calls in this process of the
+        same ``target`` and ``draft`` under the same ``settings`` (policy and sampling; hashable)."""
+        self._trials = _TRIALS.setdefault(target, {}).setdefault((id(draft), settings), [0.0, 0.0])
+        accepted, rejected = self._trials
+        scale = min(1.0, REMEMBERED_TRIALS / max(accepted + rejected, 1.0))
+        return RowAcceptance(rows, self.prior_acceptance, (accepted * scale, rejected * scale))
+
+    def remember(self, acceptance: RowAcceptance) -> None:
+        """Add a call's trials to what later calls start from."""
+        accepted, rejected = acceptance.new_trials()
+        self._trials[0] += accepted
+        self._trials[1] += rejected
+
+    def block_time(self, k: int, rows: int, target_columns: int, draft_columns: int, target_pending: int = 1,
+                   draft_pending: int = 1) -> float:
+        """Predicted seconds of a block of k drafts (k = 0: a plain target step): the target's forward over
+        its ``target_pending`` committed tokens and the k drafts, the draft's first forward over the
+        ``draft_pending`` committed tokens it has not seen and k - 1 one-token forwards, and the overhead."""
+        t = self.target_cost.predict(rows, target_pending + k, target_columns) + self.overhead
+        if k:
+            t += self.draft_cost.predict(rows, draft_pending, draft_columns)
+            t += (k - 1) * self.draft_cost.predict(rows, 1, draft_columns + draft_pending)
+        return t
+
+    def choose(self, acceptance, target_columns: int, draft_columns: int, *, target_pending: int = 1,
+               draft_pending: int = 1, remaining: float = math.inf, limit: int | None = None) -> tuple[int, float]:
+        """(K, predicted block seconds) for live rows of per-token ``acceptance`` [B]; K <= ``limit`` too.
+
+        The draft's catch-up (feeding ``draft_pending`` > 1 tokens it has not seen: the prompt, or the tokens
+        of K = 0 blocks) is paid once for all the blocks that follow, so a choice weighs it spread over the
+        blocks the rows' ``remaining`` tokens (mean budget left) would take at that K: speculation starts only
+        where it will pay for the draft's prefill. The target's ``target_pending`` tokens are fed whatever K
+        comes: they weigh on no choice, only on the predicted seconds returned.
+        """
+        acceptance = np.asarray(acceptance, dtype=np.float64)
+        rows = len(acceptance)
+        top = self.max_draft_tokens if limit is None else max(0, min(limit, self.max_draft_tokens))
+        catch_up = 0.0
+        if draft_pending > 1:
+            catch_up = max(0.0, self.draft_cost.predict(rows, draft_pending, draft_columns)
+                           - self.draft_cost.predict(rows, 1, draft_columns))
+        best = None
+        for k in range(top + 1):
+            per_row = float(np.mean([expected_tokens(a, k) for a in acceptance]))
+            # The target's pending tokens (the prompt, at the first block) cost the same whatever K: left out.
+            weighed = self.block_time(k, rows, target_columns, draft_columns)
+            if k:
+                weighed += catch_up / max(1.0, remaining / per_row)
+            if not weighed > 0:
+                continue
+            rate = per_row / weighed
+            if best is None or rate > best[0]:
+                best = (rate, k)
+        if best is None:  # no usable prediction: fall back to the largest K
+            return top, math.nan
+        k = best[1]
+        return k, self.block_time(k, rows, target_columns, draft_columns, target_pending, draft_pending)
+
+    def record_overhead(self, seconds: float) -> None:
+        """A block's time outside its forwards."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._overheads += 1
+            self.overhead += (seconds - self.overhead) / min(self._overheads, 32)

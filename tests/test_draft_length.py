@@ -1,0 +1,284 @@
+"""num_draft_tokens="auto": the cost model's fit, the chooser's argmax, and decoding with a K chosen per block
+(exact stays exact, decisions are those of a fixed K, K = 0 blocks keep both caches consistent)."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pad
+from pad.decoding import draft_length as dl
+from pad.decoding.draft_length import AutoDraftLength, ForwardCost, RowAcceptance, expected_tokens, nnls
+from test_generate_pivot import _classifier
+from tiny import ARCHS, tiny_pair
+
+
+class Schedule(AutoDraftLength):
+    """Chooses the K of block i from a list (cycled), within the chooser's limit, and records them: a K
+    sequence to replay, with K = 0 blocks where the list says. Measures nothing."""
+
+    def __init__(self, ks):
+        super().__init__(max(max(ks), 1))
+        self.ks, self.chosen = list(ks), []
+
+    def bind(self, target, draft, rows, columns):
+        pass
+
+    def choose(self, acceptance, target_columns, draft_columns, *, limit=None, **kw):
+        k = self.ks[len(self.chosen) % len(self.ks)]
+        k = k if limit is None else min(k, limit)
+        self.chosen.append(k)
+        return k, math.nan
+
+
+class Recorder(AutoDraftLength):
+    """The real chooser, recording the K of every block."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.chosen = []
+
+    def choose(self, *a, **kw):
+        k, seconds = super().choose(*a, **kw)
+        self.chosen.append(k)
+        return k, seconds
+
+
+def _batch(rows, pad_id=0):
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _rows(g, n, vocab, longest=15):
+    return [torch.randint(0, vocab, (int(torch.randint(1, longest, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _new(out, ids):
+    P = ids.shape[1]
+    return [out.sequences[r, P : P + int(out.lengths[r])].tolist() for r in range(ids.shape[0])]
+
+
+# --- the cost model ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nnls_equals_the_best_nonnegative_subset_solution(seed):
+    """Lawson-Hanson against the definition: the least-squares solution of every subset of columns whose
+    coefficients are all >= 0, best residual wins."""
+    rng = np.random.default_rng(seed)
+    m, n = 12, 5
+    a = rng.normal(size=(m, n))
+    b = a @ rng.normal(size=n) + 0.3 * rng.normal(size=m)
+    best = (np.sum(b ** 2), np.zeros(n))
+    for size in range(1, n + 1):
+        for cols in itertools.combinations(range(n), size):
+            x = np.zeros(n)
+            x[list(cols)] = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            residual = np.sum((a @ x - b) ** 2)
+            if (x >= 0).all() and residual < best[0]:
+                best = (residual, x)
+    got = nnls(a, b)
+    assert (got >= 0).all()
+    assert np.sum((a @ got - b) ** 2) == pytest.approx(best[0], rel=1e-9, abs=1e-12)
+    np.testing.assert_allclose(got, best[1], atol=1e-8)
+
+
+def _planted(b, t, s, c, knee):
+    n = b * t
+    return c[0] + c[1] * b + c[2] * n + c[3] * max(0, n - knee) + c[4] * b * s + c[5] * n * s
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forward_cost_recovers_a_planted_model(seed):
+    """Times made by the model's own form (random non-negative coefficients, a knee of KNEES) are predicted
+    at shapes it never saw."""
+    rng = np.random.default_rng(seed)
+    c = rng.uniform(0, 1, 6) * np.array([0.2, 0.003, 0.002, 0.009, 1e-5, 1e-6])
+    c[rng.integers(0, 6)] = 0.0  # a term the machine does not have
+    knee = int(rng.choice([4, 16, 32]))
+    cost = ForwardCost()
+    for b, t, s in itertools.product((1, 2, 5, 16), (1, 2, 5, 9, 13), (40, 300)):
+        cost.add(b, t, s, _planted(b, t, s, c, knee))
+    for b, t, s in ((3, 4, 120), (8, 7, 200), (12, 1, 500), (1, 11, 64)):
+        assert cost.predict(b, t, s) == pytest.approx(_planted(b, t, s, c, knee), rel=1e-6)
+    assert cost.knee == knee or np.allclose(c[3], 0.0)
+    again = ForwardCost.from_dict(cost.to_dict())  # a saved profile predicts the same
+    assert again.predict(8, 7, 200) == pytest.approx(cost.predict(8, 7, 200), rel=1e-12)
+
+
+def test_forward_cost_ignores_unusable_times_and_predicts_nan_without_data():
+    cost = ForwardCost()
+    assert math.isnan(cost.predict(1, 1, 10))
+    for seconds in (0.0, -1.0, math.nan, math.inf):
+        cost.add(1, 1, 10, seconds)
+    assert len(cost) == 0
+    cost.add(1, 1, 10, 0.5)
+    assert cost.predict(1, 1, 10) == pytest.approx(0.5)
+
+
+# --- acceptance and the chooser ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.9, 1.0])
+def test_expected_tokens_is_the_mean_of_a_simulated_block(a):
+    rng = np.random.default_rng(1)
+    for k in (0, 1, 4, 8):
+        accepted = np.argmin(np.concatenate([rng.random((20000, k)) < a, np.zeros((20000, 1), bool)], 1), 1)
+        assert expected_tokens(a, k) == pytest.approx(1 + accepted.mean(), abs=0.06)
+        assert expected_tokens(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+
+
+def test_row_acceptance_counts_judged_positions_only():
+    acc = RowAcceptance(3, prior=0.5)
+    acc.update([2, 4, 0], [4, 4, 4])  # row 0: 2 accepted then a rejection; row 1: all 4; row 2: rejected first
+    acc.update([1, 3, 0], [1, 4, 4])
+    accepted, rejected = np.array([3, 7, 0]), np.array([1, 1, 2])
+    pooled = (accepted.sum() + dl.PRIOR_TRIALS * 0.5) / (accepted.sum() + rejected.sum() + dl.PRIOR_TRIALS)
+    want = (accepted + dl.PRIOR_TRIALS * pooled) / (accepted + rejected + dl.PRIOR_TRIALS)
+    np.testing.assert_allclose(acc.estimates(), want)
+    acc.select([2, 0])  # row 1 leaves: its trials stay in the pool
+    np.testing.assert_allclose(acc.estimates(), want[[2, 0]])
+    assert acc.new_trials() == (10.0, 4.0)
+
+
+class _Planted:
+    """A cost model of planted seconds per (rows, tokens)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def predict(self, rows, tokens, columns):
+        return self.table[tokens]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chooser_picks_the_argmax_of_planted_costs_and_acceptances(seed):
+    rng = np.random.default_rng(seed)
+    kmax = 10
+    # Target seconds grow with the tokens fed, by a random convex-ish profile; the draft's per token.
+    steps = np.sort(rng.uniform(0.0, 0.08, kmax + 1))
+    target = {t: 0.2 + float(np.sum(steps[: t - 1])) for t in range(1, kmax + 2)}
+    draft = {1: float(rng.uniform(0.005, 0.12))}
+    acceptance = rng.uniform(0.2, 0.99, int(rng.integers(1, 9)))
+    chooser = AutoDraftLength(kmax, target_cost=_Planted(target), draft_cost=_Planted(draft))
+    chooser.overhead = 0.01
+
+    def rate(k):  # expected tokens per second of the batch, written out
+        tokens = sum(sum(a ** i for i in range(k + 1)) for a in acceptance)
+        return tokens / (target[k + 1] + k * draft[1] + 0.01)
+
+    want = max(range(kmax + 1), key=rate)
+    k, seconds = chooser.choose(acceptance, 100, 100)
+    assert k == want and seconds == pytest.approx(target[k + 1] + k * draft[1] + 0.01)
+    k, _ = chooser.choose(acceptance, 100, 100, limit=2)
+    assert k == max(range(3), key=rate)
+
+
+def test_chooser_waits_for_speculation_to_pay_for_the_drafts_prefill():
+    """A draft 300 tokens behind costs one long forward once: worth it for many tokens left, not for few."""
+    target = {t: 0.2 + 0.01 * (t - 1) for t in range(1, 10)}
+    draft = {1: 0.02, 300: 2.0}
+    chooser = AutoDraftLength(8, target_cost=_Planted(target), draft_cost=_Planted(draft))
+    assert chooser.choose([0.9] * 4, 100, 0, draft_pending=300, remaining=1000)[0] > 0
+    assert chooser.choose([0.9] * 4, 100, 0, draft_pending=300, remaining=5)[0] == 0
+    # Without the draft behind, the same few tokens left are worth speculating.
+    assert chooser.choose([0.9] * 4, 100, 100, draft_pending=1, remaining=5)[0] > 0
+
+
+def test_bad_draft_lengths_are_refused():
+    target, draft = tiny_pair("llama")
+    ids = torch.tensor([[1, 2, 3]])
+    for bad in ("often", 0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            pad.generate(target, draft, ids, num_draft_tokens=bad, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        pad.generate(target, draft, ids, num_draft_tokens=4, max_draft_tokens=8, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        pad.generate(target, draft, ids, num_draft_tokens="auto", max_draft_tokens=0, max_new_tokens=2)
+
+
+# --- decoding with a K per block --------------------------------------------------------------------------------
+
+
+def _alone(target, row, max_new, eos=None):
+    prompt = torch.tensor([row])
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=max_new,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(row):].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_exact_with_auto_k_equals_target_greedy(arch, batch):
+    target, draft = tiny_pair(arch)
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(batch + len(arch))
+    rows = _rows(g, batch, vocab)
+    eos = _alone(target, rows[0], 9)[8]  # row 0 ends at its 9th token, the others may run to the budget
+    expected = [_alone(target, r, 30, eos) for r in rows]
+    ids, mask = _batch(rows)
+    # The real chooser (its K follows this machine's timings), and a schedule with K = 0 blocks among others.
+    for chooser in (Recorder(6), Schedule([0, 3, 1, 0, 0, 5, 2, 6])):
+        out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact", num_draft_tokens=chooser,
+                           max_new_tokens=30, eos_token_id=eos)
+        assert _new(out, ids) == expected, f"{type(chooser).__name__}: {chooser.chosen}"
+        assert sum(out.stats.draft_lengths.values()) == len(chooser.chosen) == max(
+            s.target_forwards for s in out.row_stats)
+        assert out.stats.draft_lengths == {k: chooser.chosen.count(k) for k in set(chooser.chosen)}
+    assert 0 in chooser.chosen and out.stats.mean_draft_length == pytest.approx(np.mean(chooser.chosen))
+
+
+def test_auto_reports_its_choices_and_predictions():
+    target, draft = tiny_pair("qwen2")
+    ids, mask = _batch([[1, 2, 3, 4], [5, 6]])
+    out = pad.generate(target, draft, ids, attention_mask=mask, num_draft_tokens="auto", max_draft_tokens=5,
+                       max_new_tokens=24)
+    s = out.stats
+    assert set(s.draft_lengths) <= set(range(6)) and sum(s.draft_lengths.values()) >= 24 // 6
+    assert s.predicted_time > 0 and 0 < s.timed_blocks_time <= s.wall_time and s.block_time_error >= 0
+    assert "mean K" in s.summary() and "predicted" in s.summary()
+    back = pad.GenerationStats.from_dict(__import__("json").loads(__import__("json").dumps(s.to_dict())))
+    assert back.draft_lengths == s.draft_lengths
+    fixed = pad.generate(target, draft, ids, attention_mask=mask, num_draft_tokens=3, max_new_tokens=24).stats
+    assert set(fixed.draft_lengths) <= {0, 1, 2, 3} and fixed.timed_blocks_time == 0
+    assert fixed.draft_lengths.get(3, 0) >= 1
+
+
+@pytest.mark.parametrize("policy", ["pivot", "threshold@0.012", "typical@0.2,0.3", "fly@0.1,2"])
+def test_relaxed_rules_decide_as_a_fixed_k(policy):
+    """A constant schedule of K is the fixed-K call, token for token and count for count; a recorded auto run
+    replayed as a schedule decides the same again (the decisions depend on K only, never on timings)."""
+    target, draft = tiny_pair("llama", scale=0.3)
+    clf = _classifier(target, 2) if policy == "pivot" else None
+    g = torch.Generator().manual_seed(11)
+    ids, mask = _batch(_rows(g, 4, target.config.vocab_size))
+    args = dict(attention_mask=mask, policy=policy, classifier=clf, sigma=0.5, max_new_tokens=25)
+    counters = ("target_forwards", "draft_forwards", "drafted", "accepted", "relaxed_accepted", "new_tokens")
+    for k in (1, 4):
+        fixed = pad.generate(target, draft, ids, num_draft_tokens=k, **args)
+        scheduled = pad.generate(target, draft, ids, num_draft_tokens=Schedule([k]), **args)
+        assert torch.equal(fixed.sequences, scheduled.sequences)
+        for a, b in zip(fixed.row_stats, scheduled.row_stats):
+            assert [getattr(a, c) for c in counters] == [getattr(b, c) for c in counters]
+    assert sum(s.relaxed_accepted for s in fixed.row_stats) > 0  # the rule really relaxed something
+    recorded = Recorder(6)
+    auto = pad.generate(target, draft, ids, num_draft_tokens=recorded, **args)
+    replay = pad.generate(target, draft, ids, num_draft_tokens=Schedule(recorded.chosen), **args)
+    assert torch.equal(auto.sequences, replay.sequences)
+    for a, b in zip(auto.row_stats, replay.row_stats):
+        assert [getattr(a, c) for c in counters] == [getattr(b, c) for c in counters]
+
+
+def test_sampled_auto_is_reproducible_with_a_seed():
+    target, draft = tiny_pair("gpt2")
+    ids, mask = _batch([[1, 2, 3], [4, 5, 6, 7, 8]])
+    a, b = (pad.generate(target, draft, ids, attention_mask=mask, num_draft_tokens=Schedule([0, 2, 4]),
+                         temperature=0.9, seed=3, max_new_tokens=20) for _ in range(2))
+    assert torch.equal(a.sequences, b.sequences)
