@@ -3,6 +3,7 @@ speculative decoding pays on a machine (verification feeds K+1 tokens per forwar
 
     python bench/forward_cost.py [--model NAME] [--dtype bfloat16] [--max-tokens 8]
     python bench/forward_cost.py --batch 1,2,4,8,16 [--tokens 9] [--prefix 512]
+    python bench/forward_cost.py --cost-model [--batch 1,2,4,8,16] [--model NAME]
 
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
 With ``--batch``: for each batch size B, a forward over B rows of one token against B rows of ``--tokens``
@@ -13,6 +14,11 @@ cost there (``pad/decoding/decoder.py``): a copy of the whole cache (unpad and r
 forward whose cache has half its columns masked out (holes). The cached columns are random keys and values
 (a forward's time does not depend on them; a prefill of 16 x 512 tokens takes minutes on a CPU without
 native bf16).
+With ``--cost-model``: the cost model of ``num_draft_tokens="auto"`` (``pad.decoding.draft_length.ForwardCost``)
+checked against measurements: forwards at every B of ``--batch`` x T in 1, 2, 3, 5, 9, 13 x S in 128, 512,
+then per shape the measured time, the model fitted to what a decode at the largest B probes on its own
+(B = 1 and the largest B, T = 1, 2, 5, 13, S = 128; a decode probes T = 1, 2, 7, 13 at its prompt's width)
+and the model fitted to the whole grid.
 """
 import argparse
 import platform
@@ -24,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from pad.decoding.decoder import growing_cache
+from pad.decoding.draft_length import ForwardCost, measure
 from pad.decoding.hf import crop_cache, forward_tail, kv_shape, returned_cache
 from pad.evaluation.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, load
@@ -38,10 +45,13 @@ def main():
     parser.add_argument("--batch", help="comma-separated batch sizes: measure batched forwards instead")
     parser.add_argument("--tokens", type=int, default=9, help="with --batch: new tokens per row (K + 1)")
     parser.add_argument("--prefix", type=int, default=512, help="with --batch: cached columns per row")
+    parser.add_argument("--cost-model", action="store_true", help="check the cost model of -k auto (see above)")
     args = parser.parse_args()
     model, _ = load(args.model, dtype=args.dtype)
     print(f"{args.model} {args.dtype} | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads | CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    if args.cost_model:
+        return cost_model(model, [int(b) for b in (args.batch or "1,2,4,8,16").split(",")])
     if args.batch:
         return batched(model, [int(b) for b in args.batch.split(",")], args.tokens, args.prefix, args.repeats)
     print("| new tokens | median ms | x one token |\n|---|---|---|")
@@ -60,6 +70,25 @@ def main():
             median = statistics.median(times)
             base = base or median
             print(f"| {n} | {median * 1e3:.1f} | {median / base:.2f} |")
+
+
+def cost_model(model, sizes: list[int]) -> None:
+    grid = measure(model, sizes, [1, 2, 3, 5, 9, 13], [128, 512])
+    largest = max(sizes)
+    probed = ForwardCost(o for o in grid.observations if o[0] in (1, largest) and o[1] in (1, 2, 5, 13) and o[2] == 128)
+    probed.fit()
+    grid.fit()
+    print(f"knee: probed fit {probed.knee:g} tokens, grid fit {grid.knee:g} tokens")
+    print("| B | T | S | measured ms | probed fit ms | error | grid fit ms | error |\n|---|---|---|---|---|---|---|---|")
+    errors = {"probed": [], "grid": []}
+    for b, t, s, seconds in grid.observations:
+        p1, p2 = probed.predict(b, t, s), grid.predict(b, t, s)
+        errors["probed"].append(abs(p1 / seconds - 1))
+        errors["grid"].append(abs(p2 / seconds - 1))
+        print(f"| {b} | {t} | {s} | {seconds * 1e3:.1f} | {p1 * 1e3:.1f} | {p1 / seconds - 1:+.1%} | {p2 * 1e3:.1f} "
+              f"| {p2 / seconds - 1:+.1%} |", flush=True)
+    for name, e in errors.items():
+        print(f"{name} fit: mean |error| {statistics.mean(e):.1%}, largest {max(e):.1%}")
 
 
 def _median_ms(fn, repeats: int) -> float:

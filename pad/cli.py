@@ -251,6 +251,28 @@ def _doctor(args) -> int:
     return 0 if doctor.check(sys.stdout) else 1
 
 
+def _profile(args) -> int:
+    import torch
+
+    from .decoding import draft_length
+
+    target, _, draft = _load_pair(args)
+    top = args.max_draft_tokens
+    rows = sorted({int(b) for b in args.batch_sizes.split(",")})
+    plans = (("target", target, sorted({1, 2, 3, (top + 2) // 2, top + 1})), ("draft", draft, [1, 2, 4]))
+    print(f"threads {torch.get_num_threads()}, dtype {next(target.parameters()).dtype}; rows {rows}, "
+          f"cached columns {args.columns}")
+    for role, model, tokens in plans:
+        cost = draft_length.measure(model, rows, tokens, [int(c) for c in args.columns.split(",")])
+        path = draft_length.save_profile(model, cost)
+        print(f"{role}: knee {cost.knee:g} tokens; coefficients {', '.join(f'{c:.3g}' for c in cost.coefficients)}")
+        print("| rows | tokens | columns | measured ms | model ms | error |\n|---|---|---|---|---|---|")
+        for b, t, c, seconds, predicted in cost.relative_errors():
+            print(f"| {b} | {t} | {c} | {seconds * 1e3:.1f} | {predicted * 1e3:.1f} | {predicted / seconds - 1:+.1%} |")
+        print(f"wrote {path}")
+    return 0
+
+
 DRAFT_STOP_HELP = ("adaptive draft length: a row stops drafting after a token at which the draft's top "
                    "probability is below this; -k is then the most a block drafts")
 DRAFT_LENGTH_HELP = (f"draft tokens per block (default {DEFAULT_K}), or auto: each block's K chosen from the "
@@ -318,6 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  "log with the same settings are reused, so an interrupted run resumes)")
     b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
     b.set_defaults(func=_bench)
+
+    pf = sub.add_parser("profile", help="time forwards of both models at the shapes -k auto chooses among and save "
+                                        "them, so that generate starts from them instead of probing")
+    _add_models(pf)
+    pf.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows of the timed forwards (comma-separated)")
+    pf.add_argument("--columns", default="128,512", help="cached columns of the timed forwards (comma-separated)")
+    pf.add_argument("--max-draft-tokens", type=int, default=12, help="the largest K to time the target's block for")
+    pf.set_defaults(func=_profile)
 
     lb = sub.add_parser("label", help="label pivot tokens by path-following search or rollouts (resumable, shardable)")
     _add_task(lb, "train")

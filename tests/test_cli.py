@@ -46,6 +46,35 @@ def test_generate_prints_text_and_stats(folders, capsys):
     assert out.split()[0].startswith("w")
 
 
+def test_profile_is_saved_and_read_by_auto_generate(folders, capsys, monkeypatch, tmp_path):
+    """pad-decoding profile times both models and saves the costs; a later -k auto decode in a fresh process
+    state starts from them and probes nothing."""
+    from pad.decoding import draft_length
+
+    monkeypatch.setenv("PAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(draft_length, "_COSTS", draft_length.weakref.WeakKeyDictionary())
+    code = main(["profile", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype",
+                 "float32", "--batch-sizes", "1,3", "--columns", "4,16", "--max-draft-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("wrote ") == 2 and "| 3 | 4 | 16 |" in out  # the target's K = 3 block at 3 rows
+    saved = sorted((tmp_path / "profiles").glob("*.json"))
+    assert len(saved) == 2
+    target_profile = next(json.loads(p.read_text()) for p in saved if "target" in json.loads(p.read_text())["model"])
+    assert {(b, t, c) for b, t, c, _ in target_profile["observations"]} == {
+        (b, t, c) for b in (1, 3) for t in (1, 2, 3, 4) for c in (4, 16)}
+
+    def no_probe(*a, **k):
+        raise AssertionError("probed although a profile covers the shapes")
+
+    monkeypatch.setattr(draft_length, "_COSTS", draft_length.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(draft_length, "probe", no_probe)
+    code = main(["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--prompt",
+                 "w1 w2 w3", "--max-new-tokens", "10", "-k", "auto", "--max-draft-tokens", "3", "--dtype", "float32",
+                 "--json"])
+    stats = json.loads((out := capsys.readouterr().out)[out.index("{"):])
+    assert code == 0 and stats["new_tokens"] == 10 and set(map(int, stats["draft_lengths"])) <= {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize("policy, drafts", [("target", False), ("draft", False), ("exact", True)])
 def test_summary_line_has_no_nan(folders, capsys, policy, drafts):
     code = main(["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"),

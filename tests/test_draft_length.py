@@ -10,49 +10,11 @@ import torch
 import pad
 from pad.decoding import draft_length as dl
 from pad.decoding.draft_length import AutoDraftLength, ForwardCost, RowAcceptance, expected_tokens, nnls
+from pad.decoding.decoder import left_padded as _batch
+from schedules import Recorder, Schedule
+from test_generate_batch import _alone
 from test_generate_pivot import _classifier
 from tiny import ARCHS, tiny_pair
-
-
-class Schedule(AutoDraftLength):
-    """Chooses the K of block i from a list (cycled), within the chooser's limit, and records them: a K
-    sequence to replay, with K = 0 blocks where the list says. Measures nothing."""
-
-    def __init__(self, ks):
-        super().__init__(max(max(ks), 1))
-        self.ks, self.chosen = list(ks), []
-
-    def bind(self, target, draft, rows, columns):
-        pass
-
-    def choose(self, acceptance, target_columns, draft_columns, *, limit=None, **kw):
-        k = self.ks[len(self.chosen) % len(self.ks)]
-        k = k if limit is None else min(k, limit)
-        self.chosen.append(k)
-        return k, math.nan
-
-
-class Recorder(AutoDraftLength):
-    """The real chooser, recording the K of every block."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.chosen = []
-
-    def choose(self, *a, **kw):
-        k, seconds = super().choose(*a, **kw)
-        self.chosen.append(k)
-        return k, seconds
-
-
-def _batch(rows, pad_id=0):
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def _rows(g, n, vocab, longest=15):
@@ -207,13 +169,6 @@ def test_bad_draft_lengths_are_refused():
 # --- decoding with a K per block --------------------------------------------------------------------------------
 
 
-def _alone(target, row, max_new, eos=None):
-    prompt = torch.tensor([row])
-    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=max_new,
-                          eos_token_id=eos, pad_token_id=0)
-    return out[0, len(row):].tolist()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_exact_with_auto_k_equals_target_greedy(arch, batch):
@@ -221,7 +176,7 @@ def test_exact_with_auto_k_equals_target_greedy(arch, batch):
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(batch + len(arch))
     rows = _rows(g, batch, vocab)
-    eos = _alone(target, rows[0], 9)[8]  # row 0 ends at its 9th token, the others may run to the budget
+    eos = _alone(target, rows[0], 9, None)[8]  # row 0 ends at its 9th token, the others may run to the budget
     expected = [_alone(target, r, 30, eos) for r in rows]
     ids, mask = _batch(rows)
     # The real chooser (its K follows this machine's timings), and a schedule with K = 0 blocks among others.

@@ -8,7 +8,7 @@ import torch
 import pad
 import pad.decoding.decoder
 import pad_kernels.verify_ref as ref
-from test_draft_length import Schedule
+from schedules import Schedule
 from test_generate_pivot import _classifier
 from test_sampling_distribution import ALPHA, _p_value, _target_joint, _wrong_residual
 from tiny import ARCHS, tiny_model, tiny_pair

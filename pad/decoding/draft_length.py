@@ -11,10 +11,13 @@ maximises the batch's expected new tokens per second.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 import weakref
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -96,9 +99,11 @@ class ForwardCost:
             self.observations.append((int(rows), int(tokens), int(columns), float(seconds)))
             self._added += 1
 
-    def shapes(self) -> set[tuple[int, int]]:
-        """The (B, T) pairs observed."""
-        return {(b, t) for b, t, _, _ in self.observations}
+    def covers(self, rows: int, tokens: int) -> bool:
+        """Whether forwards of ``tokens`` new tokens were observed at ``rows`` rows or at row counts on both
+        sides of it (the model then interpolates rather than extrapolates)."""
+        seen = [b for b, t, _, _ in self.observations if t == tokens]
+        return any(b <= rows for b in seen) and any(b >= rows for b in seen)
 
     def fit(self) -> None:
         """Fit the coefficients to the observations (a no-op when nothing was added since the last fit)."""
@@ -151,6 +156,48 @@ def forward_cost(model) -> ForwardCost:
     return _COSTS.setdefault(model, {}).setdefault(key, ForwardCost())
 
 
+def profile_path(model) -> Path | None:
+    """Where ``pad-decoding profile`` saves ``model``'s forward costs on its current device and dtype at torch's
+    thread count (one file per weights identity, device, dtype and threads); None for weights without a
+    local identity."""
+    from ..models.registry import cache_dir, weights_identity
+
+    name = getattr(model.config, "name_or_path", "") or ""
+    if not name or not Path(name).is_dir():
+        return None
+    try:
+        identity = weights_identity(name)
+    except (OSError, ValueError):
+        return None
+    p = next(model.parameters())
+    key = f"{identity}|{p.device.type}|{p.dtype}|{torch.get_num_threads()}"
+    return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def save_profile(model, cost: ForwardCost) -> Path:
+    path = profile_path(model)
+    if path is None:
+        raise ValueError(f"{model.config.name_or_path!r} is not a local folder: its profile would have "
+                         "no weights identity to be found by")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    p = next(model.parameters())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": model.config.name_or_path, "device": p.device.type, "dtype": str(p.dtype),
+                               "threads": torch.get_num_threads(), **cost.to_dict()}))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(model, cost: ForwardCost) -> bool:
+    """Add ``model``'s saved profile to ``cost``; False where there is none."""
+    path = profile_path(model)
+    if path is None or not path.is_file():
+        return False
+    for o in json.loads(path.read_text())["observations"]:
+        cost.add(*o)
+    return True
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that a host clock times it (a no-op on the CPU)."""
     if device.type == "cuda":
@@ -182,6 +229,17 @@ def probe(model, cost: ForwardCost, rows: int, tokens: list[int], columns: int) 
                 synchronize(p.device)
                 seconds = time.perf_counter() - start
             cost.add(rows, t, columns, seconds)
+
+
+def measure(model, rows: list[int], tokens: list[int], columns: list[int], progress: bool = True) -> ForwardCost:
+    """A ``ForwardCost`` of ``model`` from ``probe`` forwards at every (rows, tokens, columns) of the grid."""
+    from tqdm.auto import tqdm
+
+    cost = ForwardCost()
+    grid = [(b, s) for b in rows for s in columns]
+    for b, s in tqdm(grid, desc=f"profile {model.config.name_or_path}", unit="shape", disable=not progress):
+        probe(model, cost, b, tokens, s)
+    return cost
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -248,7 +306,7 @@ class AutoDraftLength:
 
     ``target_cost`` / ``draft_cost``: cost models to use (anything with ``predict(rows, tokens, columns)``);
     None: the process-wide ones of the models (``forward_cost``), probed on first use where they lack the
-    shapes a choice needs.
+    shapes a choice needs, after reading the models' saved profiles (``pad-decoding profile``) where there are.
     """
 
     def __init__(self, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, *, target_cost=None, draft_cost=None,
@@ -275,8 +333,10 @@ class AutoDraftLength:
         for model, cost, tokens in plan:
             if not isinstance(cost, ForwardCost):
                 continue  # a planted cost model (tests) needs no measurement
+            if not len(cost):
+                load_profile(model, cost)
             for b in sorted({rows, 1}):
-                missing = [t for t in tokens if (b, t) not in cost.shapes()]
+                missing = [t for t in tokens if not cost.covers(b, t)]
                 if missing:
                     probe(model, cost, b, missing, max(columns, 1))
 

@@ -1,0 +1,49 @@
+"""The draft-length table from a ``pad-decoding bench`` run log: per batch size, every policy's aggregate
+tokens/s, its ratio to the target alone, tokens per target forward, mean K and accuracy, with the range of
+the machine's speed probe over its runs.
+
+    python bench/draft_length_table.py bench/results/auto/gsm8k_dev_k8_bfloat16.runs.jsonl
+
+``pad-decoding bench`` leaves a row's tokens/s out when the probes of the rows differ by more than 5% (a
+run beside another job); a cloud machine's speed also drifts by that much over an hour with nothing else
+running. Policies take turns on each batch of problems, so a drift reaches every row alike: this table keeps
+every row and prints the probes, so that a reader can see how far they moved.
+"""
+import argparse
+import json
+import math
+from collections import defaultdict
+
+from pad.evaluation.bench import PolicyTotals
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log")
+    args = parser.parse_args()
+    totals: dict[int, dict[str, PolicyTotals]] = defaultdict(dict)
+    seen = set()
+    with open(args.log) as f:
+        for line in f:
+            r = json.loads(line)
+            key = (r["settings"]["batch_size"], r["policy"], r["problem"])
+            if key in seen:  # a rerun of a logged run: the first one counts, as in the bench's tables
+                continue
+            seen.add(key)
+            totals[r["settings"]["batch_size"]].setdefault(r["policy"], PolicyTotals()).add(r)
+    for batch, rows in sorted(totals.items(), reverse=True):
+        problems = max(t.problems for t in rows.values())
+        target = rows["target"].row("target")["tokens_per_s"] if "target" in rows else math.nan
+        print(f"\nB = {batch}, {problems} problems\n")
+        print("| policy | tokens/s | x target | tokens / target forward | mean K | accuracy | probe GFLOP/s |")
+        print("|---|---|---|---|---|---|---|")
+        for name, t in rows.items():
+            row = t.row(name)
+            k = row["mean_draft_length"]
+            print(f"| {name} | {row['tokens_per_s']:.2f} | {row['tokens_per_s'] / target:.2f}x "
+                  f"| {row['mean_accepted_length']:.2f} | {'n/a' if math.isnan(k) else f'{k:.2f}'} "
+                  f"| {row['accuracy']:.1%} | {t.probe_low:.0f}-{t.probe_high:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
