@@ -265,6 +265,7 @@ def _profile(args) -> int:
     for role, model, tokens in plans:
         cost = draft_length.measure(model, rows, tokens, [int(c) for c in args.columns.split(",")])
         path = draft_length.save_profile(model, cost)
+        cost.fit()
         print(f"{role}: knee {cost.knee:g} tokens; coefficients {', '.join(f'{c:.3g}' for c in cost.coefficients)}")
         print("| rows | tokens | columns | measured ms | model ms | error |\n|---|---|---|---|---|---|")
         for b, t, c, seconds, predicted in cost.relative_errors():
