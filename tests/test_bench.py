@@ -22,6 +22,35 @@ def test_parse_policies():
     for bad in ("fast", "pivot@x", "pivot@1.5", ""):
         with pytest.raises(ValueError):
             bench.parse_policies(bad)
+    # A policy's own draft length after a colon, also after settings that hold commas.
+    specs = bench.parse_policies("target,exact:2,exact:auto,pivot@0.3:4,typical@0.09,0.3:8,hf-assisted:6")
+    assert [(s.name, s.policy, s.k) for s in specs] == [
+        ("target", "target", None), ("exact:2", "exact", 2), ("exact:auto", "exact", "auto"),
+        ("pivot@0.3:4", "pivot", 4), ("typical@0.09,0.3:8", "typical", 8), ("hf-assisted:6", "hf-assisted", 6)]
+    assert specs[4].parsed.rule.b == 0.3
+    for bad in ("target:2", "exact:0", "exact:x", "hf-assisted:auto", "exact:2,exact:2"):
+        with pytest.raises(ValueError):
+            bench.parse_policies(bad)
+
+
+def test_bench_runs_each_policy_at_its_own_draft_length(tmp_path):
+    """exact at K = 2 and auto beside the target: the same answers, the K each asked for in the run log."""
+    target, draft = tiny_pair("llama", scale=0.3)
+    tok = _tokenizer([f"w{i}" for i in range(96)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=2)
+    specs = bench.parse_policies("target,exact:2,exact:auto")
+    log = tmp_path / "runs.jsonl"
+    rows = bench.run("gsm8k", problems, target, draft, tok, specs, num_draft_tokens=5, max_new_tokens=10,
+                     max_draft_tokens=4, progress=False, log=log)
+    by = {r["policy"]: r for r in rows}
+    assert by["exact:2"]["new_tokens"] == by["exact:auto"]["new_tokens"] == by["target"]["new_tokens"]
+    assert by["exact:2"]["mean_draft_length"] <= 2 and 0 <= by["exact:auto"]["mean_draft_length"] <= 4
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    settings = {r["policy"]: r["settings"] for r in records}
+    assert settings["exact:2"]["k"] == 2 and settings["exact:auto"]["k"] == "auto"
+    assert settings["exact:auto"]["max_draft_tokens"] == 4 and "max_draft_tokens" not in settings["exact:2"]
+    assert all(r["timed_blocks_time"] > 0 for r in records if r["policy"] == "exact:auto")
 
 
 def test_bench_runs_all_policies_side_by_side(tmp_path):

@@ -218,7 +218,7 @@ def probe(model, cost: ForwardCost, rows: int, tokens: list[int], columns: int) 
     vocab = min(1000, model.config.vocab_size)
     with torch.inference_mode():
         for t in tokens:
-            for attempt in range(2):
+            for _ in range(2):
                 data = [tuple(torch.randn(rows, heads, columns, head_dim, generator=g).to(p) for _ in "kv")
                         for _ in range(layers)]
                 cache = DynamicCache(ddp_cache_data=data)
@@ -300,7 +300,7 @@ class AutoDraftLength:
         sum_r E_r(K) / (draft(K) + target(K) + overhead),
 
     with ``E_r`` the expected tokens of row r (``expected_tokens`` at its ``RowAcceptance`` estimate),
-    ``draft(K)`` the draft's K one-token forwards, ``target(K)``
+    ``draft(K)`` the draft's K forwards (its catch-up spread over the blocks left: ``choose``), ``target(K)``
     one target forward over K + 1 tokens per row, both from the models' ``ForwardCost``, and ``overhead`` the
     rest of a block (verification, bookkeeping) as measured so far. K = 0 is a plain target step.
 
