@@ -79,7 +79,8 @@ def cost_model(model, sizes: list[int]) -> None:
     probed.fit()
     grid.fit()
     print(f"knee: probed fit {probed.knee:g} tokens, grid fit {grid.knee:g} tokens")
-    print("| B | T | S | measured ms | probed fit ms | error | grid fit ms | error |\n|---|---|---|---|---|---|---|---|")
+    print("| B | T | S | measured ms | probed fit ms | error | grid fit ms | error |")
+    print("|---|---|---|---|---|---|---|---|")
     errors = {"probed": [], "grid": []}
     for b, t, s, seconds in grid.observations:
         p1, p2 = probed.predict(b, t, s), grid.predict(b, t, s)

@@ -106,7 +106,8 @@ def test_pivot_rows_at_batch_size_one_and_more_agree():
 def _batched_pairs(target, draft, rows, samples, backend=None, copies=2000, k=2):
     """Counts [len(rows), V * V] of each row's first two new tokens over ``samples`` draws: every call
     decodes ``copies`` of each row, interleaved, so rows of different lengths share every batch; the
-    copies draw their own random numbers (identical copies would show as overdispersion)."""
+    copies draw their own random numbers (identical copies would show as overdispersion). ``k``: the
+    draft length, or a callable making a fresh chooser per call."""
     assert samples % copies == 0
     V = target.config.vocab_size
     counts = torch.zeros(len(rows), V * V, dtype=torch.long)
@@ -114,7 +115,8 @@ def _batched_pairs(target, draft, rows, samples, backend=None, copies=2000, k=2)
     P = ids.shape[1]
     for seed in range(samples // copies):
         out = pad.generate(target, draft, ids, attention_mask=mask, policy="exact",
-                           num_draft_tokens=k() if callable(k) else k, max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
+                           num_draft_tokens=k() if callable(k) else k, max_new_tokens=2, temperature=0.8, top_p=0.9,
+                           seed=seed, backend=backend).sequences
         pairs = out[:, P] * V + out[:, P + 1]
         for r in range(len(rows)):
             counts[r] += torch.bincount(pairs[r :: len(rows)], minlength=V * V)

@@ -88,7 +88,8 @@ def parse_draft_length(text: str, where: str = "") -> int | str:
     except ValueError:
         k = 0
     if k < 1:
-        raise ValueError(f"a draft length is an integer >= 1 or 'auto', got {text!r}" + (f" in {where!r}" if where else ""))
+        raise ValueError(f"a draft length is an integer >= 1 or 'auto', got {text!r}"
+                         + (f" in {where!r}" if where else ""))
     return k
 
 
