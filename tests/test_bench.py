@@ -35,10 +35,8 @@ def test_parse_policies():
 
 def test_bench_runs_each_policy_at_its_own_draft_length(tmp_path):
     """exact at K = 2 and auto beside the target: the same answers, the K each asked for in the run log."""
-    target, draft = tiny_pair("llama", scale=0.3)
-    tok = _tokenizer([f"w{i}" for i in range(96)])
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=2)
+    target, draft, tok, problems = _bench_setup()
+    problems = problems[:2]
     specs = bench.parse_policies("target,exact:2,exact:auto")
     log = tmp_path / "runs.jsonl"
     rows = bench.run("gsm8k", problems, target, draft, tok, specs, num_draft_tokens=5, max_new_tokens=10,
@@ -54,10 +52,7 @@ def test_bench_runs_each_policy_at_its_own_draft_length(tmp_path):
 
 
 def test_bench_runs_all_policies_side_by_side(tmp_path):
-    target, draft = tiny_pair("llama", scale=0.3)
-    tok = _tokenizer([f"w{i}" for i in range(96)])
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=3)
+    target, draft, tok, problems = _bench_setup()
     specs = bench.parse_policies("target,exact,pivot@0.6,hf-assisted")
     rows = bench.run("gsm8k", problems, target, draft, tok, specs, num_draft_tokens=3, max_new_tokens=12,
                      classifier=_classifier(target, 0), progress=False)
@@ -75,10 +70,7 @@ def test_bench_runs_all_policies_side_by_side(tmp_path):
 
 
 def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
-    target, draft = tiny_pair("llama", scale=0.3)
-    tok = _tokenizer([f"w{i}" for i in range(96)])
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    problems = tasks.load("gsm8k", path=DATA / "gsm8k_sample.jsonl", limit=3)
+    target, draft, tok, problems = _bench_setup()
     specs = bench.parse_policies("target,exact,pivot@0.6")
     log = tmp_path / "runs.jsonl"
     kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False, settings={"target": "t"}, log=log)
