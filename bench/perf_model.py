@@ -34,9 +34,11 @@ LATENCY_US = 0.6  # a global load's round trip
 SM_SHARE = 2.0  # one SM streams at most this many times its share of the HBM bandwidth
 SM_LIMITS = dict(registers=65536, shared=228 * 1024, threads=2048, programs=32)  # per SM, sm_90
 V = 151936
-# Per backend: bytes of one slice's state (Triton: max, sum, entropy sum, 2nd and 3rd logit in fp32, argmax
-# in int64; CUDA: pad::RowStats, its sum in fp64) and logits in flight per stats program.
-BACKENDS = {"triton": dict(state_bytes=5 * 4 + 8, chunk=1024), "cuda": dict(state_bytes=32, chunk=8 * 256)}
+# Per backend: bytes of one slice's state (Triton: max, entropy sum, 2nd and 3rd logit, the draft's max and
+# sum, the divergence's cross term in fp32, the sum in fp64, argmax and rank in int64; CUDA: pad::RowStats,
+# its sums in fp64) and logits in flight per stats program.
+BACKENDS = {"triton": dict(state_bytes=7 * 4 + 3 * 8, chunk=1024), "cuda": dict(state_bytes=56, chunk=8 * 256)}
+PLAIN_STATS = "SCALED=False, HAS_DRAFT=False, RANKED=False"  # greedy, no draft logits, no rank: the model's case
 
 
 def resident(r: dict) -> int:
@@ -80,8 +82,8 @@ def resources_table() -> dict:
 
     out = {}
     for name, kernel, sig, constexprs in jobs():
-        plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact" in name
-        if ("bf16" in name or "fp32" in name) and ("_split_stats" in name or plain_accept):
+        plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False" in name
+        if ("bf16" in name or "fp32" in name) and (("_split_stats" in name and PLAIN_STATS in name) or plain_accept):
             out[name] = resources(_compile(kernel, sig, constexprs, 90))
     for name, r in cuda_resources(90).items():
         if name in {f"{k}[{d}]" for k in ("split_stats_kernel", "draw_kernel") for d in ("bf16", "fp32")} | \
@@ -107,9 +109,9 @@ def main() -> None:
         for gname, gpu in GPUS.items():
             for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
                 if backend == "triton":
-                    res = {"stats": table[f"_split_stats_kernel[{dtype}, SCALED=False]"],
+                    res = {"stats": table[f"_split_stats_kernel[{dtype}, {PLAIN_STATS}]"],
                            "accept": table[f"_accept_kernel[{dtype}, HAS_CLF=False, SAMPLING=False, HAS_ND=False, "
-                                           "RULE=exact]"]}
+                                           "RULE=exact, HAS_DRAFT=False]"]}
                 else:
                     res = {"stats": table[f"split_stats_kernel[{dtype}]"], "accept": table[f"accept_kernel[{dtype}, {dtype}]"]}
                 for B in (1, 8, 32):

@@ -53,6 +53,7 @@ def verify_block_cpu(
     exponentials: torch.Tensor | None = None,  # [B, V]
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
+    draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
@@ -62,5 +63,6 @@ def verify_block_cpu(
                                                       exponentials, target_logits.device)
     extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
                                  sigma, floor, temperature, *draws, rule.code, rule.a, rule.b,
-                                 None if num_drafts is None else num_drafts.contiguous(), *out)
+                                 None if num_drafts is None else num_drafts.contiguous(),
+                                 None if draft_logits is None else draft_logits.contiguous(), *out)
     return out

@@ -22,7 +22,7 @@ def available() -> bool:
 
 
 def _run(ext_fn, target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature, draft_probs, uniforms,
-         exponentials, rule, num_drafts, out, sms, splits, *extra):
+         exponentials, rule, num_drafts, draft_logits, out, sms, splits, *extra):
     B, K1, V = target_logits.shape
     dev = target_logits.device
     out = out if out is not None else empty_result(B, K1 - 1, dev)
@@ -31,8 +31,8 @@ def _run(ext_fn, target_logits, draft_tokens, hidden, classifier, sigma, floor, 
     hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
                                                       exponentials, dev)
     ext_fn(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2, sigma, floor, temperature,
-           *draws, rule.code, rule.a, rule.b, None if num_drafts is None else num_drafts.contiguous(), *out, *plan,
-           *extra)
+           *draws, rule.code, rule.a, rule.b, None if num_drafts is None else num_drafts.contiguous(),
+           None if draft_logits is None else draft_logits.contiguous(), *out, *plan, *extra)
     return out
 
 
@@ -50,13 +50,14 @@ def verify_block_cuda(
     exponentials: torch.Tensor | None = None,  # [B, V]
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
+    draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
     out: VerifyResult | None = None,
     splits: int | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given. ``splits``: vocabulary
     slices per position and per sampling draw (default: enough to fill the GPU, ``split_plan``)."""
     return _run(extension().verify_block_out, target_logits, draft_tokens, hidden, classifier, sigma, floor,
-                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, out,
+                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, out,
                 sm_count(target_logits.device), splits)
 
 
@@ -74,6 +75,7 @@ def emulate_cuda(
     exponentials: torch.Tensor | None = None,
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,
+    draft_logits: torch.Tensor | None = None,
     out: VerifyResult | None = None,
     splits: int | None = None,
     sms: int = H100_SMS,
@@ -86,4 +88,5 @@ def emulate_cuda(
     from . import cpu
 
     return _run(cpu.extension().emulate_cuda_verify, target_logits, draft_tokens, hidden, classifier, sigma, floor,
-                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, out, sms, splits, threads)
+                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, out, sms, splits,
+                threads)

@@ -2,7 +2,8 @@
 
 ``pad-decoding doctor --check`` runs it: on a machine with a GPU it is the first proof that the Triton and
 CUDA kernels compute what the reference does there. Each case: fresh seeded random inputs (a verification
-block with a classifier, greedy and sampling, fp32 and bf16), outputs poisoned before the backend writes
+block with a classifier, greedy and sampling, fp32 and bf16; with the draft's logits, by turns the exact, kl
+and topk rules), outputs poisoned before the backend writes
 them; integer outputs (argmax, accept masks, counts, next tokens) must equal the reference's, float outputs
 lie within ``ATOL + RTOL * |reference|``. The test suite holds the backends to a stricter rule.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .types import FoldedClassifier, empty_result
+from .types import AcceptRule, FoldedClassifier, empty_result
 from .verify import available_backends, verify_block
 from .verify_ref import verify_block_ref
 
@@ -20,6 +21,7 @@ RTOL, ATOL = 1e-4, 1e-5
 # (B, K, V, H): one decode-sized block and one batch over a vocabulary that is not a multiple of any tile.
 SHAPES = ((1, 8, 151936, 1536), (3, 4, 32003, 896))
 POISON = {torch.float32: float("nan"), torch.int64: -7, torch.bool: True}
+RULES = (AcceptRule(), AcceptRule.kl(0.5), AcceptRule.topk(3, 0.3))  # taken in turn by the cases
 
 
 @dataclass
@@ -42,9 +44,10 @@ def make_case(B, K, V, H, dtype, sampling, device, seed):
     D = 128
     clf = FoldedClassifier(torch.randn(H + 2, D, generator=g) / H**0.5, torch.randn(D, generator=g) * 0.1,
                            torch.randn(D, generator=g) / D**0.5, torch.tensor(0.2))
-    kwargs = dict(sigma=0.5, floor=1e-4)
+    draft_logits = (logits[:, :K].float() + torch.randn(B, K, V, generator=g)).to(dtype)
+    kwargs = dict(sigma=0.5, floor=1e-4, rule=RULES[seed % len(RULES)], draft_logits=draft_logits)
     if sampling:
-        kwargs.update(temperature=0.8, draft_probs=torch.softmax(logits[:, :K].float(), -1),
+        kwargs.update(temperature=0.8, draft_probs=torch.softmax(draft_logits.float() / 0.8, -1),
                       uniforms=torch.rand(B, K, generator=g), exponentials=torch.empty(B, V).exponential_(generator=g))
     move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
     clf = FoldedClassifier(*(move(t) for t in clf))
@@ -81,7 +84,7 @@ def run(progress=None) -> list[CheckResult]:
                     (shape, dtype, sampling) for shape in SHAPES for dtype in (torch.float32, torch.bfloat16)
                     for sampling in (False, True)):
                 case = (f"B={B} K={K} V={V} H={H} {str(dtype).removeprefix('torch.')} "
-                        f"{'sampling' if sampling else 'greedy'}")
+                        f"{'sampling' if sampling else 'greedy'} {RULES[seed % len(RULES)].name}")
                 args, kwargs = make_case(B, K, V, H, dtype, sampling, device, seed)
                 try:
                     expected = verify_block_ref(*args, **kwargs)

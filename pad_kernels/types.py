@@ -41,8 +41,16 @@ class AcceptRule(NamedTuple):
       (1-based, of K) is accepted when the entropy of the target's top 3 probabilities
       (``top3_entropy``) is at least ``gate``, ``i + window - 1 <= K`` and the next ``window - 1`` draft
       tokens all equal the target's argmax.
+    - ``kl`` (a = epsilon, b = top1; a divergence judge after arXiv 2601.04766 and 2502.20704): accepted
+      when ``KL(p || q) <= epsilon`` and ``max p < top1``, where p and q are the target's and the draft's
+      (temperature-scaled) distributions at the position (``divergence``; needs the draft's logits); a
+      position where the target is sure (top-1 probability at least ``top1``) keeps the exact rule.
+    - ``topk`` (a = k, b = delta; TensorRT-LLM's relaxed acceptance): accepted when the draft token is
+      among the target's k most likely tokens (ties broken by lower index, as the argmax) and
+      ``p(d) >= max p - delta``.
     Settings that equal ``exact``: ``typical`` with epsilon 1 (p > 1 never holds), ``threshold`` at 1
-    only for a token of probability 1, which is the argmax; ``fly`` with gate ``inf``.
+    only for a token of probability 1, which is the argmax; ``fly`` with gate ``inf``; ``kl`` with top1 0;
+    ``topk`` with k 0 (and, greedy only, k 1: the top-1 is the argmax).
     """
 
     name: str = "exact"
@@ -61,14 +69,27 @@ class AcceptRule(NamedTuple):
     def fly(cls, gate: float = 0.3, window: int = 6) -> "AcceptRule":
         return cls("fly", float(gate), float(window))
 
+    @classmethod
+    def kl(cls, epsilon: float, top1: float = 1.0) -> "AcceptRule":
+        return cls("kl", float(epsilon), float(top1))
+
+    @classmethod
+    def topk(cls, k: int, delta: float) -> "AcceptRule":
+        return cls("topk", float(k), float(delta))
+
+    @property
+    def needs_draft_logits(self) -> bool:
+        """Whether the rule reads the draft's distribution (``verify_block``'s ``draft_logits``)."""
+        return self.name == "kl"
+
     @property
     def code(self) -> int:
         """The rule's number in the compiled kernels (``pad::RuleKind``)."""
         return RULES.index(self.name)
 
 
-RULES = ("exact", "typical", "threshold", "fly")  # order = the kernels' rule codes
-SAMPLING_RULES = ("exact", "typical", "threshold")  # fly's "matches the target" is a greedy notion
+RULES = ("exact", "typical", "threshold", "fly", "kl", "topk")  # order = the kernels' rule codes
+SAMPLING_RULES = ("exact", "typical", "threshold", "kl", "topk")  # fly's "matches the target" is a greedy notion
 
 
 class VerifyResult(NamedTuple):
@@ -83,6 +104,7 @@ class VerifyResult(NamedTuple):
     num_accepted: torch.Tensor  # [B] int64
     next_token: torch.Tensor  # [B] int64, correction token, or bonus token when all K are accepted
     top3_entropy: torch.Tensor  # [B, K+1] fp32, -sum p log p over the 3 most likely tokens (full softmax)
+    divergence: torch.Tensor  # [B, K] fp32, KL(p || q) of target and draft at each draft position; -1 without draft_logits
 
 
 def empty_result(B: int, K: int, device) -> VerifyResult:
@@ -99,6 +121,7 @@ def empty_result(B: int, K: int, device) -> VerifyResult:
         num_accepted=torch.empty(B, **i64),
         next_token=torch.empty(B, **i64),
         top3_entropy=torch.empty(B, K + 1, **f32),
+        divergence=torch.empty(B, K, **f32),
     )
 
 

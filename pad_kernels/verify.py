@@ -103,13 +103,17 @@ def check_rule(rule, temperature: float) -> None:
         raise ValueError(f"threshold needs 0 <= tau <= 1, got {a}")
     if rule.name == "fly" and not (a >= 0 and b >= 1 and b == int(b) and b < 2**31):
         raise ValueError(f"fly needs a gate >= 0 and a whole window >= 1, got gate={a}, window={b}")
+    if rule.name == "kl" and not (a >= 0 and 0 <= b <= 1):
+        raise ValueError(f"kl needs epsilon >= 0 and 0 <= top1 <= 1, got epsilon={a}, top1={b}")
+    if rule.name == "topk" and not (0 <= a < 2**31 and a == int(a) and b >= 0):
+        raise ValueError(f"topk needs a whole k >= 0 and delta >= 0, got k={a}, delta={b}")
     if temperature > 0 and rule.name not in SAMPLING_RULES:
         raise ValueError(f"the {rule.name} rule is defined for greedy decoding only (temperature 0); "
                          f"with sampling use one of {', '.join(SAMPLING_RULES)}")
 
 
 def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
-                  draft_probs, uniforms, exponentials) -> None:
+                  draft_probs, uniforms, exponentials, draft_logits=None) -> None:
     if target_logits.dim() != 3 or target_logits.shape[1] < 1:
         raise ValueError(f"target_logits must be [B, K+1, V], got shape {tuple(target_logits.shape)}")
     if target_logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -147,6 +151,11 @@ def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor,
             if tuple(t.shape) != shape or not t.is_floating_point():
                 raise ValueError(f"{name} must be a float tensor of shape {list(shape)}, got {tuple(t.shape)}")
             tensors[name] = t
+    if draft_logits is not None:
+        if tuple(draft_logits.shape) != (B, K, V) or draft_logits.dtype != target_logits.dtype:
+            raise ValueError(f"draft_logits must be {target_logits.dtype} [B, K, V] = [{B}, {K}, {V}] like "
+                             f"target_logits, got {draft_logits.dtype} {tuple(draft_logits.shape)}")
+        tensors["draft_logits"] = draft_logits
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but target_logits is on {device}")
@@ -173,6 +182,7 @@ def verify_block(
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1) draws for the correction/bonus token
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64 in [0, K]: each row's own draft length (draft_stop)
+    draft_logits: torch.Tensor | None = None,  # [B, K, V] the draft's logits (dtype of target_logits)
     backend: str | None = None,
     out: VerifyResult | Workspace | None = None,
 ) -> VerifyResult:
@@ -181,8 +191,9 @@ def verify_block(
     With ``temperature > 0`` the random draws are inputs so every backend picks the same tokens; any of
     ``uniforms`` / ``exponentials`` left as None is drawn here from torch's global generator.
     ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``rule`` adds a training-free
-    relaxation (``AcceptRule``: typical, threshold, fly); a token is accepted when the exact rule, the
-    classifier or the rule accepts it. ``num_drafts``: rows that stopped drafting early (positions from
+    relaxation (``AcceptRule``: typical, threshold, fly, kl, topk); a token is accepted when the exact rule,
+    the classifier or the rule accepts it. ``draft_logits``: the draft's logits at the K drafted positions,
+    from which ``divergence`` (KL(p || q)) is computed in the same pass; the kl rule needs them. ``num_drafts``: rows that stopped drafting early (positions from
     ``num_drafts[b]`` on are padding, never accepted; the token after a row's last draft is its bonus).
     ``K = 0`` is allowed: it only picks the next token (autoregressive decoding). ``out``: caller-owned
     outputs to write (contiguous, the shapes and dtypes of ``VerifyResult`` on the logits' device), or a
@@ -195,8 +206,10 @@ def verify_block(
         if exponentials is None:
             exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
     _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
-                  draft_probs, uniforms, exponentials)
+                  draft_probs, uniforms, exponentials, draft_logits)
     check_rule(rule, temperature)
+    if rule.needs_draft_logits and draft_logits is None:
+        raise ValueError(f"the {rule.name} rule reads the draft's distribution: pass draft_logits [B, K, V]")
     if num_drafts is not None:
         B, K1 = target_logits.shape[:2]
         if num_drafts.shape != (B,) or num_drafts.dtype != torch.int64 or num_drafts.device != target_logits.device:
@@ -214,13 +227,13 @@ def verify_block(
         verify_block_out_op(
             target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
             float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
-            float(rule.b), num_drafts, resolve_backend(backend, target_logits.device), *out,
+            float(rule.b), num_drafts, draft_logits, resolve_backend(backend, target_logits.device), *out,
         )
         return out
     out = verify_block_op(
         target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
         float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
-        float(rule.b), num_drafts, resolve_backend(backend, target_logits.device),
+        float(rule.b), num_drafts, draft_logits, resolve_backend(backend, target_logits.device),
     )
     return VerifyResult(*out)
 
@@ -247,21 +260,21 @@ def verify_block_op(
     b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
     temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
     exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    draft_logits: Optional[Tensor], backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``verify_block`` as a registered op (``torch.ops.pad_kernels.verify_block``) for torch.compile and
     CUDA graphs; arguments are checked by ``verify_block``, outputs in ``VerifyResult`` order."""
     classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
     return tuple(_impl(backend)(
         target_logits, draft_tokens, hidden, classifier, sigma=sigma, floor=floor, temperature=temperature,
         draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
-        rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts,
+        rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts, draft_logits=draft_logits,
     ))
 
 
 @verify_block_op.register_fake
 def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigma, floor, temperature,
-                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, backend):
+                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, draft_logits, backend):
     B, K1, _ = target_logits.shape
     return tuple(empty_result(B, K1 - 1, target_logits.device))
 
@@ -272,17 +285,18 @@ def verify_block_out_op(
     b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
     temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
     exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
-    backend: str,
+    draft_logits: Optional[Tensor], backend: str,
     entropy: Tensor, token_prob: Tensor, argmax: Tensor, pivot_prob: Tensor, accepted: Tensor,
-    pivot_accepted: Tensor, num_accepted: Tensor, next_token: Tensor, top3_entropy: Tensor,
+    pivot_accepted: Tensor, num_accepted: Tensor, next_token: Tensor, top3_entropy: Tensor, divergence: Tensor,
 ) -> None:
     """``verify_block`` writing into caller-owned outputs (``torch.ops.pad_kernels.verify_block_out``): no
     allocation for the outputs, fixed addresses per (B, K) for CUDA graphs."""
     out = VerifyResult(entropy, token_prob, argmax, pivot_prob, accepted, pivot_accepted, num_accepted, next_token,
-                       top3_entropy)
+                       top3_entropy, divergence)
     classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
     kwargs = dict(sigma=sigma, floor=floor, temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
-                  exponentials=exponentials, rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts)
+                  exponentials=exponentials, rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts,
+                  draft_logits=draft_logits)
     if backend == "torch":  # the reference allocates its results: copy them over
         for o, r in zip(out, verify_block_ref(target_logits, draft_tokens, hidden, classifier, **kwargs)):
             o.copy_(r)

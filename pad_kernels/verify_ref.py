@@ -5,7 +5,7 @@ Glossary: a *verification block* is the K+1 target positions scored in one forwa
 token ``d_{i+1}`` and row K gives the *bonus token*. A draft token is *accepted* by the exact rule
 (greedy: ``d == argmax p``; sampling: ``u * q(d) <= p(d)``) or *pivot-accepted* when the classifier says
 it is not a pivot (``sigma > 0``, ``pivot_prob <= sigma`` and ``p(d) >= floor``) or when a training-free
-``AcceptRule`` allows it (typical, threshold, fly; see ``AcceptRule``). At the first rejection the
+``AcceptRule`` allows it (typical, threshold, fly, kl, topk; see ``AcceptRule``). At the first rejection the
 *correction token* is emitted (greedy: ``argmax p``; sampling: a draw from ``normalize(max(0, p - q))``).
 Random draws are inputs: ``uniforms`` for the acceptance test and one exponential per vocabulary entry for
 the single categorical draw of a row (an exponential race: ``argmax_v r_v / e_v`` is a sample of ``r``).
@@ -49,13 +49,35 @@ def top3_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -torch.where(top == float("-inf"), 0.0, torch.exp(logp) * logp).sum(-1)
 
 
-def rule_override(rule: AcceptRule, token_prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-    """Per position, the typical and threshold rules' acceptance of a token the exact rule rejects (fly is
-    decided over the row: ``fly_accepts``). token_prob, entropy [B, K] -> bool [B, K]."""
+def kl_divergence(logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum p (log p - log q) of p = softmax(logits), q = softmax(draft_logits) over the last dim
+    (fp32); a token p gives no mass adds 0, one q gives no mass where p does makes it +inf."""
+    logp = torch.log_softmax(logits, -1)
+    logq = torch.log_softmax(draft_logits, -1)
+    return torch.where(logp == float("-inf"), 0.0, logp.exp() * (logp - logq)).sum(-1)
+
+
+def target_rank(logits: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """How many tokens rank above each draft token in ``logits`` (larger logit, or equal with a lower index:
+    the argmax's tie rule, so the argmax has rank 0). logits [B, K, V] fp32, draft_tokens [B, K] valid ids."""
+    x_d = logits.gather(-1, draft_tokens[..., None])
+    index = torch.arange(logits.shape[-1], device=logits.device)
+    return ((logits > x_d) | ((logits == x_d) & (index < draft_tokens[..., None]))).sum(-1)
+
+
+def rule_override(rule: AcceptRule, token_prob: torch.Tensor, entropy: torch.Tensor, top_prob: torch.Tensor,
+                  divergence: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """Per position, the typical, threshold, kl and topk rules' acceptance of a token the exact rule rejects
+    (fly is decided over the row: ``fly_accepts``). All [B, K]: token_prob p(d), entropy, top_prob max p,
+    divergence KL(p || q), rank of d in p (``target_rank``) -> bool [B, K]."""
     if rule.name == "typical":
         return token_prob > torch.clamp(rule.b * torch.exp(-entropy), max=rule.a)
     if rule.name == "threshold":
         return token_prob >= rule.a
+    if rule.name == "kl":
+        return (divergence <= rule.a) & (top_prob < rule.b) & ~token_prob.isnan()
+    if rule.name == "topk":
+        return (rank < rule.a) & (token_prob >= top_prob - rule.b)
     return torch.zeros_like(token_prob, dtype=torch.bool)
 
 
@@ -94,12 +116,14 @@ def verify_block_ref(
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1), needed when temperature > 0
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64: row b's own draft length (<= K); None: K
+    draft_logits: torch.Tensor | None = None,  # [B, K, V] the draft's logits at its K positions (the kl rule)
 ) -> VerifyResult:
     """Reference verification of one block; arguments are already validated by ``verify_block``.
 
     A row with ``num_drafts[b] < K`` stopped drafting early: its later positions are never accepted, the
     draft distribution there counts as zero (so the token after its last draft is the bonus token), and
-    fly's window must end inside its own drafts."""
+    fly's window must end inside its own drafts. ``divergence`` is KL(p || q) of the temperature-scaled
+    target and draft distributions at each draft position (whatever the rule), -1 without ``draft_logits``."""
     B, K1, V = target_logits.shape
     K = K1 - 1
     logits = target_logits.float()
@@ -132,7 +156,14 @@ def verify_block_ref(
         pivot_prob = torch.ones_like(token_prob)
         override = torch.zeros_like(exact_ok)
 
-    override = override | rule_override(rule, token_prob, entropy[:, :K])
+    if draft_logits is not None:
+        scaled = draft_logits.float() / (temperature if temperature > 0 else 1.0)
+        divergence = kl_divergence(logits[:, :K], scaled)
+    else:
+        divergence = torch.full_like(token_prob, -1.0)
+    top_prob = probs[:, :K].gather(-1, argmax[:, :K, None]).squeeze(-1)  # [B, K]
+    rank = target_rank(logits[:, :K], draft_tokens.clamp(0, V - 1))
+    override = override | rule_override(rule, token_prob, entropy[:, :K], top_prob, divergence, rank)
     if rule.name == "fly":
         override = override | (fly_accepts(rule, exact_ok, top3_entropy[:, :K], num_drafts) & valid)
     accepted = torch.cumprod(((exact_ok | override) & own).to(torch.int64), -1).bool()  # [B, K]
@@ -160,4 +191,5 @@ def verify_block_ref(
         num_accepted=num_accepted,
         next_token=next_token,
         top3_entropy=top3_entropy,
+        divergence=divergence,
     )

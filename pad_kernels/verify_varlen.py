@@ -6,7 +6,8 @@ draft) and ``num_drafts[b]`` draft tokens; a request with no drafts has one row 
 token. The rules are ``verify_block``'s, applied to each request's own block; the results come back packed:
 
 - per row (N = sum(num_drafts + 1)): ``entropy``, ``argmax``, ``top3_entropy``;
-- per draft token (T = sum(num_drafts)): ``token_prob``, ``pivot_prob``, ``accepted``, ``pivot_accepted``;
+- per draft token (T = sum(num_drafts)): ``token_prob``, ``pivot_prob``, ``accepted``, ``pivot_accepted``,
+  ``divergence``;
 - per request (B): ``num_accepted``, ``next_token``.
 
 The fused backends run on the padded ``[B, max(num_drafts) + 1, V]`` block with ``num_drafts`` (padding
@@ -31,7 +32,8 @@ def _counts(num_drafts) -> list[int]:
     return counts
 
 
-def _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, uniforms, exponentials) -> None:
+def _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, uniforms, exponentials,
+                  draft_logits=None) -> None:
     B, N, T = len(counts), sum(counts) + len(counts), sum(counts)
     if target_logits.dim() != 2 or target_logits.shape[0] != N:
         raise ValueError(f"target_logits must be [N, V] with N = sum(num_drafts + 1) = {N}, "
@@ -40,7 +42,8 @@ def _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, unif
         raise ValueError(f"draft_tokens must be [T] with T = sum(num_drafts) = {T}, got {tuple(draft_tokens.shape)}")
     V = target_logits.shape[1]
     for name, t, shape in (("hidden", hidden, (N, None)), ("draft_probs", draft_probs, (T, V)),
-                           ("uniforms", uniforms, (T,)), ("exponentials", exponentials, (B, V))):
+                           ("uniforms", uniforms, (T,)), ("exponentials", exponentials, (B, V)),
+                           ("draft_logits", draft_logits, (T, V))):
         if t is not None and (t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape))):
             want = ", ".join("H" if s is None else str(s) for s in shape)
             raise ValueError(f"{name} must be [{want}], got {tuple(t.shape)}")
@@ -48,7 +51,7 @@ def _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, unif
 
 def _empty(device) -> VerifyResult:
     dtypes = (torch.float32, torch.float32, torch.int64, torch.float32, torch.bool, torch.bool, torch.int64,
-              torch.int64, torch.float32)
+              torch.int64, torch.float32, torch.float32)
     return VerifyResult(*(torch.empty(0, dtype=d, device=device) for d in dtypes))
 
 
@@ -66,10 +69,11 @@ def verify_block_varlen_ref(
     uniforms: torch.Tensor | None = None,  # [T]
     exponentials: torch.Tensor | None = None,  # [B, V]
     rule: AcceptRule = AcceptRule(),
+    draft_logits: torch.Tensor | None = None,  # [T, V]
 ) -> VerifyResult:
     """The specification: ``verify_block_ref`` on each request's block alone, results concatenated."""
     counts = _counts(num_drafts)
-    _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, uniforms, exponentials)
+    _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, uniforms, exponentials, draft_logits)
     parts, row, tok = [], 0, 0
     for b, k in enumerate(counts):
         rows, toks = slice(row, row + k + 1), slice(tok, tok + k)
@@ -77,7 +81,8 @@ def verify_block_varlen_ref(
                        exponentials=exponentials[b][None]) if temperature > 0 else {}
         parts.append(verify_block_ref(
             target_logits[rows][None], draft_tokens[toks][None], hidden[rows][None] if hidden is not None else None,
-            classifier, sigma=sigma, floor=floor, temperature=temperature, rule=rule, **sampled))
+            classifier, sigma=sigma, floor=floor, temperature=temperature, rule=rule,
+            draft_logits=draft_logits[toks][None] if draft_logits is not None else None, **sampled))
         row, tok = row + k + 1, tok + k
     if not parts:
         return _empty(target_logits.device)
@@ -98,15 +103,16 @@ def verify_block_varlen(
     uniforms: torch.Tensor | None = None,  # [T] U(0,1)
     exponentials: torch.Tensor | None = None,  # [B, V] Exp(1)
     rule: AcceptRule = AcceptRule(),
+    draft_logits: torch.Tensor | None = None,  # [T, V], the logits' dtype (the kl rule, the divergence)
     backend: str | None = None,
 ) -> VerifyResult:
     """Verify a ragged batch of blocks (layout in the module docstring); arguments as ``verify_block``'s.
 
     Returns a ``VerifyResult`` whose tensors are packed: entropy, argmax, top3_entropy [N]; token_prob,
-    pivot_prob, accepted, pivot_accepted [T]; num_accepted, next_token [B].
+    pivot_prob, accepted, pivot_accepted, divergence [T]; num_accepted, next_token [B].
     """
     counts = _counts(num_drafts)
-    _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, uniforms, exponentials)
+    _check_packed(target_logits, draft_tokens, counts, hidden, draft_probs, uniforms, exponentials, draft_logits)
     if not counts:
         return _empty(target_logits.device)
     B, V, device = len(counts), target_logits.shape[1], target_logits.device
@@ -137,7 +143,7 @@ def verify_block_varlen(
     res = verify_block(
         block(target_logits, K + 1), block(draft_tokens, K), block(hidden, K + 1), classifier, sigma=sigma,
         floor=floor, temperature=temperature, draft_probs=block(draft_probs, K), uniforms=block(uniforms, K),
-        exponentials=exponentials, rule=rule, backend=backend,
+        exponentials=exponentials, rule=rule, backend=backend, draft_logits=block(draft_logits, K),
         num_drafts=None if uniform else torch.tensor(counts, dtype=torch.int64, device=device),
     )
     if uniform:
@@ -146,5 +152,6 @@ def verify_block_varlen(
     else:
         def packed(t):
             return t[rows_at if t.shape[1] == K + 1 else toks_at]
-    per_row = ("entropy", "token_prob", "argmax", "pivot_prob", "accepted", "pivot_accepted", "top3_entropy")
+    per_row = ("entropy", "token_prob", "argmax", "pivot_prob", "accepted", "pivot_accepted", "top3_entropy",
+               "divergence")
     return VerifyResult(*(packed(getattr(res, f)) if f in per_row else getattr(res, f) for f in VerifyResult._fields))

@@ -17,12 +17,16 @@ def test_grammar_and_defaults():
     assert parse_policy("typical@0.2,0.5").rule == AcceptRule.typical(0.2, 0.5)
     assert parse_policy("threshold@0.5").rule == AcceptRule.threshold(0.5)
     assert parse_policy("fly").rule == AcceptRule.fly(0.3, 6) and parse_policy("fly@0.5,4").rule == AcceptRule.fly(0.5, 4)
-    for spec in ("typical@0.2,0.5", "threshold@0.5", "fly@0.5,4", "pivot@0.3", "target"):
+    assert parse_policy("kl@0.5").rule == AcceptRule.kl(0.5, 1.0) and parse_policy("kl@0.5,0.9").rule == AcceptRule.kl(0.5, 0.9)
+    assert parse_policy("topk@3,0.1").rule == AcceptRule.topk(3, 0.1)
+    for spec in ("typical@0.2,0.5", "threshold@0.5", "fly@0.5,4", "kl@0.5,0.9", "topk@3,0.1", "pivot@0.3", "target"):
         assert str(parse_policy(spec)) == spec and parse_policy(str(parse_policy(spec))) == parse_policy(spec)
     assert parse_policy(parse_policy("fly")) == parse_policy("fly")  # parsed objects pass through
     for bad, match in (("fast", "unknown policy"), ("threshold", "needs tau"), ("typical@x", "bad number"),
                        ("typical@0.1,0.2,0.3", "takes 2 setting"), ("fly@0.3,2.5", "whole number"),
-                       ("threshold@1.5", "0 <= tau <= 1"), ("pivot@2", "must be in"), ("exact@1", "takes 0")):
+                       ("threshold@1.5", "0 <= tau <= 1"), ("pivot@2", "must be in"), ("exact@1", "takes 0"),
+                       ("kl", "needs epsilon"), ("topk@3", "needs delta"), ("topk@2.5,0.1", "whole number"),
+                       ("kl@0.5,2", "0 <= top1 <= 1")):
         with pytest.raises(ValueError, match=match):
             parse_policy(bad)
     with pytest.raises(TypeError):
@@ -48,7 +52,7 @@ def _prompts(n):
     return [torch.randint(0, 96, (1, 4 + i % 3), generator=g) for i in range(n)]
 
 
-@pytest.mark.parametrize("spec", ["typical@1,inf", "threshold@1", "fly@inf,6"])
+@pytest.mark.parametrize("spec", ["typical@1,inf", "threshold@1", "fly@inf,6", "kl@inf,0", "topk@0,1", "topk@1,1"])
 def test_a_rule_at_its_exact_setting_decodes_as_exact(pair, spec):
     target, draft = pair
     for prompt in _prompts(4):
@@ -58,7 +62,7 @@ def test_a_rule_at_its_exact_setting_decodes_as_exact(pair, spec):
         assert got.stats.accepted == exact.stats.accepted and got.stats.relaxed_accepted == 0
 
 
-@pytest.mark.parametrize("spec", ["typical@0.3,0.5", "threshold@0.005", "fly@0.0,1"])
+@pytest.mark.parametrize("spec", ["typical@0.3,0.5", "threshold@0.005", "fly@0.0,1", "kl@inf", "topk@8,1"])
 def test_relaxed_rules_accept_more_and_count_what_they_relax(pair, spec):
     """The rule reaches the op: a loose setting accepts a larger share of the drafts than exact, and the
     tokens accepted against the exact rule are counted."""
@@ -79,10 +83,21 @@ def test_greedy_only_rule_with_sampling_is_refused_before_decoding(pair):
         pad.generate(target, draft, _prompts(1)[0], policy="fly", temperature=0.8)
 
 
+@pytest.mark.parametrize("spec", ["kl@inf,0", "topk@0,1"])
+def test_a_rule_at_its_exact_setting_samples_as_exact(pair, spec):
+    """With the same seed, the same draws: a setting that never relaxes gives exact's sampled output."""
+    target, draft = pair
+    ids = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(2))
+    exact = pad.generate(target, draft, ids, policy="exact", temperature=0.9, seed=4, max_new_tokens=16)
+    got = pad.generate(target, draft, ids, policy=spec, temperature=0.9, seed=4, max_new_tokens=16)
+    assert torch.equal(got.sequences, exact.sequences) and got.stats.relaxed_accepted == 0
+    assert exact.stats.accepted < exact.stats.drafted  # rejections happened: the rule had something to decide
+
+
 def test_sampling_rules_run_batched(pair):
     target, draft = pair
     ids = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(1))
-    for spec in ("typical", "threshold@0.3"):
+    for spec in ("typical", "threshold@0.3", "kl@1.0", "topk@4,0.2"):
         out = pad.generate(target, draft, ids, policy=spec, temperature=0.9, seed=0, max_new_tokens=12)
         assert out.sequences.shape[0] == 3 and int(out.lengths.min()) > 0
         again = pad.generate(target, draft, ids, policy=spec, temperature=0.9, seed=0, max_new_tokens=12)

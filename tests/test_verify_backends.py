@@ -21,7 +21,9 @@ FUSED = [b for b in available_backends("cpu") if b != "torch"]
 KERNELS = FUSED + (["cuda-emulated"] if "cpu" in FUSED else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Absolute error floor per output and dtype of the logits (entropies reach ln V ~ 12: 1e-5 is ~10 ulps).
-FLOOR = {dtype: {"entropy": 1e-5, "token_prob": 1e-7, "pivot_prob": 1e-6, "top3_entropy": 1e-5} for dtype in DTYPES}
+# The divergence, a difference of log-sum-exps of ~10, gets the entropy's floor.
+FLOOR = {dtype: {"entropy": 1e-5, "token_prob": 1e-7, "pivot_prob": 1e-6, "top3_entropy": 1e-5, "divergence": 1e-5}
+         for dtype in DTYPES}
 POISON = {torch.float32: float("nan"), torch.int64: -7, torch.bool: True}
 
 
@@ -43,14 +45,19 @@ def run_backend(backend, *args, **kwargs):
     return result
 
 
-def make_case(B, K, V, H, dtype, sampling, seed):
+def make_case(B, K, V, H, dtype, sampling, seed, draft_logits=False):
+    """Fresh inputs; ``draft_logits``: also the draft's logits (the target's plus noise), from which the
+    sampling draft distribution then comes."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(dtype)
     if V > 2:
         logits[0, 0, 1] = float("-inf")  # masked tokens appear in real decoding (top-p)
     kwargs = dict(sigma=0.5, floor=1e-4)
+    draft = (logits[:, :K].float() + torch.randn(B, K, V, generator=g)).to(dtype)
+    if draft_logits:
+        kwargs.update(draft_logits=draft)
     if sampling:
-        draft_probs = torch.softmax(logits[:, :K].float() + torch.randn(B, K, V, generator=g), -1)
+        draft_probs = torch.softmax(draft.float() / (0.8 if draft_logits else 1.0), -1)
         draft_tokens = torch.multinomial(draft_probs.reshape(B * K, V), 1, generator=g).reshape(B, K)
         kwargs.update(temperature=0.8, draft_probs=draft_probs, uniforms=torch.rand(B, K, generator=g),
                       exponentials=torch.empty(B, V).exponential_(generator=g))
@@ -71,23 +78,29 @@ def make_case(B, K, V, H, dtype, sampling, seed):
     return (logits, draft_tokens, hidden, clf), kwargs
 
 
-def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, **_):
-    """entropy, token_prob, pivot_prob and top3_entropy computed in fp64 from the same inputs."""
+def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, draft_logits=None, **_):
+    """entropy, token_prob, pivot_prob, top3_entropy and divergence computed in fp64 from the same inputs."""
     K = draft_tokens.shape[1]
-    x = logits.double() / (temperature if temperature > 0 else 1.0)
+    scale = temperature if temperature > 0 else 1.0
+    x = logits.double() / scale
     logp = torch.log_softmax(x, -1)
     p = logp.exp()
     entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
     top = logp.topk(min(3, logp.shape[-1]), -1).values
     top3 = -torch.where(top > float("-inf"), top.exp() * top, 0.0).sum(-1)
     token_prob = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    if clf is None:
-        return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": torch.ones_like(token_prob),
-                "top3_entropy": top3}
-    feats = torch.cat([hidden[:, :K].double(), token_prob[..., None], entropy[:, :K, None]], -1)
-    w1, b1, w2, b2 = (t.double() for t in clf)
-    pivot = torch.sigmoid(torch.relu(feats @ w1 + b1) @ w2 + b2)
-    return {"entropy": entropy, "token_prob": token_prob, "pivot_prob": pivot, "top3_entropy": top3}
+    if draft_logits is None:
+        divergence = torch.full_like(token_prob, -1.0)
+    else:
+        logq = torch.log_softmax(draft_logits.double() / scale, -1)
+        divergence = torch.where(p[:, :K] > 0, p[:, :K] * (logp[:, :K] - logq), 0.0).sum(-1)
+    truth = {"entropy": entropy, "token_prob": token_prob, "pivot_prob": torch.ones_like(token_prob),
+             "top3_entropy": top3, "divergence": divergence}
+    if clf is not None:
+        feats = torch.cat([hidden[:, :K].double(), token_prob[..., None], entropy[:, :K, None]], -1)
+        w1, b1, w2, b2 = (t.double() for t in clf)
+        truth["pivot_prob"] = torch.sigmoid(torch.relu(feats @ w1 + b1) @ w2 + b2)
+    return truth
 
 
 def assert_matches(got, expected, truth, dtype):
@@ -190,13 +203,15 @@ def test_registered_op_passes_opcheck(backend, temperature):
     """torch.ops.pad_kernels.verify_block: schema, fake (meta) implementation and dispatch are consistent."""
     from pad_kernels.verify import verify_block_op
 
-    args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3)
+    args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3, draft_logits=True)
     logits, drafts, hidden, clf = args
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
-    for rule, num_drafts in ((AcceptRule(), None), (AcceptRule.typical(), torch.tensor([3, 1])),
-                             (AcceptRule.threshold(0.2), None)):
+    for rule, num_drafts, draft_logits in ((AcceptRule(), None, None), (AcceptRule.typical(), torch.tensor([3, 1]), None),
+                                           (AcceptRule.threshold(0.2), None, None),
+                                           (AcceptRule.kl(0.5), None, kwargs["draft_logits"]),
+                                           (AcceptRule.topk(2, 0.1), torch.tensor([3, 1]), None)):
         torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws,
-                                                rule.code, rule.a, rule.b, num_drafts, backend))
+                                                rule.code, rule.a, rule.b, num_drafts, draft_logits, backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED])
@@ -233,8 +248,10 @@ def test_kernels_read_nothing_for_draft_ids_out_of_range(backend, sampling):
 # Each rule at a setting that accepts some mismatches and rejects others on these inputs, and at one
 # that equals the exact rule.
 RULE_SETTINGS = [AcceptRule.typical(), AcceptRule.typical(0.3, 0.05), AcceptRule.threshold(0.05),
-                 AcceptRule.fly(0.3, 3), AcceptRule.fly(0.05, 1)]
-EXACT_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.threshold(1.0), AcceptRule.fly(float("inf"), 6)]
+                 AcceptRule.fly(0.3, 3), AcceptRule.fly(0.05, 1), AcceptRule.kl(0.5), AcceptRule.kl(2.0, 0.6),
+                 AcceptRule.topk(3, 0.3), AcceptRule.topk(8, 1.0)]
+EXACT_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.threshold(1.0), AcceptRule.fly(float("inf"), 6),
+                  AcceptRule.kl(float("inf"), 0.0), AcceptRule.topk(0, 1.0), AcceptRule.topk(1, 1.0)]
 RULE_SHAPES = [(1, 64, 10, 1271), (3, 896, 4, 32000), (3, 64, 10, 151936)]
 
 
@@ -251,7 +268,7 @@ def _rule_cases():
 @pytest.mark.parametrize("backend,rule,sampling,dtype,B,H,K,V", list(_rule_cases()))
 def test_rules_match_reference(backend, rule, sampling, dtype, B, H, K, V):
     seed = zlib.crc32(repr((rule, sampling, dtype, V, K, B)).encode())
-    args, kwargs = make_case(B, K, V, H, dtype, sampling, seed)
+    args, kwargs = make_case(B, K, V, H, dtype, sampling, seed, draft_logits=True)  # the divergence on every rule
     logits, drafts = args[:2]
     expected = verify_block_ref(logits, drafts, **kwargs, rule=rule)
     assert_matches(run_backend(backend, logits, drafts, **kwargs, rule=rule), expected,
@@ -264,23 +281,32 @@ def test_rules_match_reference(backend, rule, sampling, dtype, B, H, K, V):
 def test_rule_cases_accept_beyond_exact():
     """The random cases above exercise the rules: each setting relaxes some positions the exact rule rejects."""
     for rule in RULE_SETTINGS:
-        args, kwargs = make_case(3, 10, 1271, 64, torch.float32, False, seed=5)
+        args, kwargs = make_case(3, 10, 1271, 64, torch.float32, False, seed=5, draft_logits=True)
         relaxed = verify_block_ref(args[0], args[1], **kwargs, rule=rule)
         exact = verify_block_ref(args[0], args[1], **kwargs)
         assert relaxed.pivot_accepted.any() and (relaxed.num_accepted > exact.num_accepted).any(), rule
 
 
+# Settings that equal exact when sampling too: kl with top1 0 and topk with k 0 never relax.
+EXACT_SAMPLING_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.kl(float("inf"), 0.0),
+                           AcceptRule.topk(0, 1.0)]
+
+
 @pytest.mark.parametrize("backend", ["torch", *FUSED])
-@pytest.mark.parametrize("rule", EXACT_SETTINGS, ids=lambda r: r.name)
-def test_each_rule_has_a_setting_that_equals_exact(backend, rule):
+@pytest.mark.parametrize("rule,sampling", [(r, False) for r in EXACT_SETTINGS] + [(r, True) for r in EXACT_SAMPLING_SETTINGS],
+                         ids=lambda v: f"{v.name}@{v.a:g},{v.b:g}" if isinstance(v, AcceptRule) else str(v))
+def test_each_rule_has_a_setting_that_equals_exact(backend, rule, sampling):
     from pad_kernels import verify_block
 
     for seed in range(3):
-        args, kwargs = make_case(3, 6, 1271, 64, torch.float32, False, seed=seed)
+        args, kwargs = make_case(3, 6, 1271, 64, torch.float32, sampling, seed=seed, draft_logits=True)
         logits, drafts = args[:2]
-        drafts[:, 1] = (drafts[:, 1] + 1) % 1271  # a sure mismatch in every row
-        exact = verify_block(logits, drafts, backend=backend)
-        got = verify_block(logits, drafts, rule=rule, backend=backend)
+        if not sampling:
+            drafts[:, 1] = (drafts[:, 1] + 1) % 1271  # a sure mismatch in every row
+        draws = {k: kwargs[k] for k in ("temperature", "draft_probs", "uniforms", "exponentials") if k in kwargs}
+        exact = verify_block(logits, drafts, backend=backend, **draws)
+        got = verify_block(logits, drafts, rule=rule, backend=backend, draft_logits=kwargs["draft_logits"], **draws)
+        assert (exact.num_accepted < 6).any(), "every row must hold a rejection for the test to mean something"
         for name in ("accepted", "pivot_accepted", "num_accepted", "next_token"):
             assert torch.equal(getattr(got, name), getattr(exact, name)), (rule, name)
 
@@ -313,11 +339,14 @@ def _split_params(backend_splits):
 
 @pytest.mark.parametrize("backend,splits", _split_params([(b, s) for b in SPLIT for s in (1, 2, 7, 64)]))
 @pytest.mark.parametrize("sampling", [False, True])
-def test_vocabulary_splits_match_reference(backend, splits, sampling):
-    """Fresh inputs, outputs poisoned, the classifier and a relaxed rule on, for S slices per position."""
+@pytest.mark.parametrize("rule", [AcceptRule.typical(0.3, 0.05), AcceptRule.kl(0.5), AcceptRule.topk(3, 0.3)],
+                         ids=lambda r: r.name)
+def test_vocabulary_splits_match_reference(backend, splits, sampling, rule):
+    """Fresh inputs, outputs poisoned, the classifier and a relaxed rule on, for S slices per position; the
+    draft's logits too (the divergence's and the rank's parts are merged across slices)."""
     B, K, V, H = 2, 4, 3000, 64
-    args, kwargs = make_case(B, K, V, H, torch.bfloat16, sampling, seed=zlib.crc32(repr((splits, sampling)).encode()))
-    rule = AcceptRule.typical(0.3, 0.05)
+    args, kwargs = make_case(B, K, V, H, torch.bfloat16, sampling, draft_logits=True,
+                             seed=zlib.crc32(repr((splits, sampling, rule)).encode()))
     expected = verify_block_ref(*args, **kwargs, rule=rule)
     got = run_backend(backend, *args, **kwargs, rule=rule, splits=splits)
     assert_matches(got, expected, fp64_truth(*args, **kwargs), torch.bfloat16)

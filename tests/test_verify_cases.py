@@ -212,3 +212,72 @@ def test_a_row_that_stopped_drafting_gets_its_bonus_token(backend):
         verify_block(logits, drafts[:1], num_drafts=torch.tensor([4]), backend=backend)
     with pytest.raises(ValueError, match="num_drafts must be int64"):
         verify_block(logits, drafts[:1], num_drafts=torch.tensor([1, 2]), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_divergence_and_its_bound(backend):
+    """p = (1/2, 1/2), q = (3/4, 1/4) over two live tokens: KL(p || q) = ln 2 - ln 3 / 2 ~ 0.1438; the rule
+    accepts the mismatch at epsilon just above it, rejects just below, and keeps the exact rule where the
+    target's top-1 probability (1/2) is not below top1."""
+    from pad_kernels import AcceptRule
+
+    logits = torch.full((1, 2, 8), NEG)
+    logits[0, 0, [1, 3]] = 0.0  # argmax 1: the draft token 3 is a mismatch
+    logits[0, 1, 6] = 0.0
+    draft_logits = torch.full((1, 1, 8), NEG)
+    draft_logits[0, 0, 1], draft_logits[0, 0, 3] = math.log(3.0), 0.0
+    kl = math.log(2.0) - math.log(3.0) / 2
+    for rule, accepted in ((AcceptRule.kl(kl + 1e-4), True), (AcceptRule.kl(kl - 1e-4), False),
+                           (AcceptRule.kl(1.0, 0.5), False), (AcceptRule.kl(1.0, 0.51), True),
+                           (AcceptRule.kl(1.0, 0.0), False)):
+        res = verify_block(logits, torch.tensor([[3]]), rule=rule, draft_logits=draft_logits, backend=backend)
+        assert res.divergence[0, 0].item() == pytest.approx(kl, abs=1e-6)
+        assert res.accepted.tolist() == [[accepted]] and res.pivot_accepted.tolist() == [[accepted]], rule
+        assert res.next_token.tolist() == [6 if accepted else 1], rule
+    # Without the draft's logits the divergence is -1 and the kl rule cannot run.
+    assert verify_block(logits, torch.tensor([[3]]), backend=backend).divergence.tolist() == [[-1.0]]
+    with pytest.raises(ValueError, match="pass draft_logits"):
+        verify_block(logits, torch.tensor([[3]]), rule=AcceptRule.kl(1.0), backend=backend)
+    # A token the target can emit and the draft never would: KL is +inf, never within a bound.
+    draft_logits[0, 0, 3] = NEG
+    res = verify_block(logits, torch.tensor([[3]]), rule=AcceptRule.kl(1e30), draft_logits=draft_logits,
+                       backend=backend)
+    assert res.divergence[0, 0].item() == float("inf") and res.num_accepted.tolist() == [0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_rank_ties_and_delta(backend):
+    """Tokens 1, 2, 4 share the top logit (p = 0.3 each, ranks 0, 1, 2 by index), token 5 is fourth
+    (p = 0.1): topk accepts a draft token ranked below k whose p is within delta of the top-1's."""
+    from pad_kernels import AcceptRule
+
+    logits = torch.full((1, 2, 8), NEG)
+    logits[0, 0, [1, 2, 4]] = math.log(3.0)
+    logits[0, 0, 5] = 0.0
+    logits[0, 1, 6] = 0.0
+    for draft, rule, accepted in ((4, AcceptRule.topk(3, 0.0), True),  # rank 2 < 3, p equal to the top-1's
+                                  (4, AcceptRule.topk(2, 1.0), False),  # rank 2: not among the first two
+                                  (2, AcceptRule.topk(2, 0.0), True),
+                                  (5, AcceptRule.topk(4, 0.19), False),  # 0.1 < 0.3 - 0.19
+                                  (5, AcceptRule.topk(4, 0.21), True),
+                                  (5, AcceptRule.topk(3, 1.0), False),  # rank 3
+                                  (2, AcceptRule.topk(1, 1.0), False),  # k = 1: the argmax (token 1) only
+                                  (2, AcceptRule.topk(0, 1.0), False)):
+        res = verify_block(logits, torch.tensor([[draft]]), rule=rule, backend=backend)
+        assert res.accepted.tolist() == [[accepted]], (draft, rule)
+        assert res.next_token.tolist() == [6 if accepted else 1], (draft, rule)
+
+
+def test_divergence_rule_settings_are_checked():
+    from pad_kernels import AcceptRule
+
+    logits, drafts = torch.randn(1, 3, 8), torch.tensor([[1, 2]])
+    for rule, match in ((AcceptRule.kl(-0.1), "kl needs"), (AcceptRule.kl(0.5, 1.5), "kl needs"),
+                        (AcceptRule.topk(-1, 0.1), "topk needs"), (AcceptRule("topk", 2.5, 0.1), "whole k"),
+                        (AcceptRule.topk(2, -0.1), "topk needs")):
+        with pytest.raises(ValueError, match=match):
+            verify_block(logits, drafts, rule=rule, draft_logits=torch.randn(1, 2, 8))
+    for bad, match in ((torch.randn(1, 3, 8), "draft_logits must be"),
+                       (torch.randn(1, 2, 8, dtype=torch.float64), "draft_logits must be")):
+        with pytest.raises(ValueError, match=match):
+            verify_block(logits, drafts, rule=AcceptRule.kl(0.5), draft_logits=bad)

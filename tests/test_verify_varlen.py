@@ -10,20 +10,23 @@ from pad_kernels import (AcceptRule, FoldedClassifier, available_backends, verif
 
 BACKENDS = available_backends("cpu")  # torch, the C++ backend when built, Triton through its interpreter
 COUNTS = {"ragged": [3, 0, 5, 1], "uniform": [4, 4, 4], "no-drafts": [0, 0], "one": [6]}
-RULES = [AcceptRule(), AcceptRule.threshold(0.2), AcceptRule.typical(), AcceptRule.fly(0.3, 2)]
-FLOATS = ("entropy", "token_prob", "pivot_prob", "top3_entropy")
+RULES = [AcceptRule(), AcceptRule.threshold(0.2), AcceptRule.typical(), AcceptRule.fly(0.3, 2), AcceptRule.kl(0.5),
+         AcceptRule.topk(3, 0.3)]
+FLOATS = ("entropy", "token_prob", "pivot_prob", "top3_entropy", "divergence")
 
 
 def make_packed(counts, V, H, sampling, seed):
-    """Packed inputs: logits [N, V], drafts mostly the target's argmax (some runners-up, some random)."""
+    """Packed inputs: logits [N, V], the draft's logits [T, V] (the target's plus noise), drafts mostly the
+    target's argmax (some runners-up, some random)."""
     g = torch.Generator().manual_seed(seed)
     N, T = sum(counts) + len(counts), sum(counts)
     logits = torch.randn(N, V, generator=g) * 4
     draft_rows = torch.cat([torch.arange(k) + sum(counts[:b]) + b for b, k in enumerate(counts)]).long() \
         if T else torch.zeros(0, dtype=torch.long)
-    kwargs = dict(sigma=0.5, floor=1e-4)
+    draft_logits = logits[draft_rows] + torch.randn(T, V, generator=g)
+    kwargs = dict(sigma=0.5, floor=1e-4, draft_logits=draft_logits)
     if sampling:
-        q = torch.softmax(logits[draft_rows] + torch.randn(T, V, generator=g), -1)
+        q = torch.softmax(draft_logits / 0.8, -1)
         drafts = torch.multinomial(q, 1, generator=g).flatten() if T else torch.zeros(0, dtype=torch.long)
         kwargs.update(temperature=0.8, draft_probs=q, uniforms=torch.rand(T, generator=g),
                       exponentials=torch.empty(len(counts), V).exponential_(generator=g))
@@ -39,13 +42,13 @@ def make_packed(counts, V, H, sampling, seed):
     return logits, drafts, hidden, clf, kwargs
 
 
-def packed_truth(logits, drafts, counts, hidden=None, clf=None, temperature=0.0, **_):
+def packed_truth(logits, drafts, counts, hidden=None, clf=None, temperature=0.0, draft_logits=None, **_):
     """The float outputs in fp64, request by request (test_verify_backends.fp64_truth), packed."""
     parts, row, tok = [], 0, 0
     for k in counts:
         block = (logits[None, row:row + k + 1], drafts[None, tok:tok + k])
         extra = (hidden[None, row:row + k + 1], clf) if clf is not None else ()
-        parts.append(fp64_truth(*block, *extra, temperature=temperature))
+        parts.append(fp64_truth(*block, *extra, temperature=temperature, draft_logits=draft_logits[None, tok:tok + k]))
         row, tok = row + k + 1, tok + k
     return {name: torch.cat([p[name].reshape(-1) for p in parts]) for name in FLOATS}
 
@@ -87,9 +90,11 @@ def test_reference_is_each_request_alone():
     """The reference's own contract, checked by hand on two requests: packed outputs are the blocks'."""
     counts = [2, 3]
     logits, drafts, hidden, clf, kwargs = make_packed(counts, 50, 8, False, 11)
-    got = verify_block_varlen_ref(logits, drafts, counts, hidden, clf, **kwargs)
-    first = verify_block_ref(logits[None, :3], drafts[None, :2], hidden[None, :3], clf, **kwargs)
-    second = verify_block_ref(logits[None, 3:], drafts[None, 2:], hidden[None, 3:], clf, **kwargs)
+    q = kwargs.pop("draft_logits")
+    got = verify_block_varlen_ref(logits, drafts, counts, hidden, clf, **kwargs, draft_logits=q)
+    first = verify_block_ref(logits[None, :3], drafts[None, :2], hidden[None, :3], clf, **kwargs, draft_logits=q[None, :2])
+    second = verify_block_ref(logits[None, 3:], drafts[None, 2:], hidden[None, 3:], clf, **kwargs, draft_logits=q[None, 2:])
+    assert torch.equal(got.divergence, torch.cat([first.divergence[0], second.divergence[0]]))
     assert got.num_accepted.tolist() == [int(first.num_accepted), int(second.num_accepted)]
     assert got.next_token.tolist() == [int(first.next_token), int(second.next_token)]
     assert torch.equal(got.accepted, torch.cat([first.accepted[0], second.accepted[0]]))

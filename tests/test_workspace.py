@@ -53,13 +53,13 @@ def test_bad_outputs_are_refused():
 def test_out_op_passes_opcheck(backend):
     from pad_kernels.verify import verify_block_out_op
 
-    args, kwargs = make_case(2, 3, 50, 16, torch.float32, True, seed=3)
+    args, kwargs = make_case(2, 3, 50, 16, torch.float32, True, seed=3, draft_logits=True)
     logits, drafts, hidden, clf = args
     draws = [kwargs[k] for k in ("draft_probs", "uniforms", "exponentials")]
-    rule = AcceptRule.threshold(0.2)
-    torch.library.opcheck(verify_block_out_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, 0.8, *draws, rule.code,
-                                                rule.a, rule.b, torch.tensor([3, 1]), backend,
-                                                *empty_result(2, 3, "cpu")))
+    for rule in (AcceptRule.threshold(0.2), AcceptRule.kl(0.5)):
+        torch.library.opcheck(verify_block_out_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, 0.8, *draws, rule.code,
+                                                    rule.a, rule.b, torch.tensor([3, 1]), kwargs["draft_logits"],
+                                                    backend, *empty_result(2, 3, "cpu")))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -37,21 +37,28 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
              float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, float* pivot_prob,
              bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token, int64_t B,
              int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_, float temperature,
-             pad::Rule rule, const int64_t* num_drafts, int64_t splits, int64_t split_len, int64_t race_splits,
-             int64_t race_len, int64_t threads) {
+             pad::Rule rule, const int64_t* num_drafts, const T* draft_logits, float* divergence, int64_t splits,
+             int64_t split_len, int64_t race_splits, int64_t race_len, int64_t threads) {
   const int64_t K1 = K + 1;
   const bool has_clf = w1 != nullptr, sampling = temperature > 0.0f;
   std::vector<pad::RowStats> parts(B * K1 * splits), lanes(threads);
   std::vector<pad::RowStats> stats(B * K1);
 
   // Kernel 1: grid (position, slice).
-  for (int64_t pos = 0; pos < B * K1; ++pos)
+  for (int64_t pos = 0; pos < B * K1; ++pos) {
+    const int64_t b = pos / K1, i = pos % K1;
+    const ScaledLogits<T> x{logits + pos * V, temperature};
+    const int64_t d = i < K ? drafts[b * K + i] : -1;
+    const bool ranked = rule.kind == pad::kRuleTopk && pad::in_vocab(d, V);
+    const bool has_draft = i < K && draft_logits != nullptr;
+    const ScaledLogits<T> y{has_draft ? draft_logits + (b * K + i) * V : nullptr, temperature};
     for (int64_t sp = 0; sp < splits; ++sp) {
-      const ScaledLogits<T> x{logits + pos * V, temperature};
       for (int64_t t = 0; t < threads; ++t)
-        lanes[t] = pad::thread_row_stats(x, pad::vocab_slice(sp, split_len, V), t, threads);
+        lanes[t] = pad::thread_row_stats(x, y, has_draft, ranked ? d : -1, ranked ? x(d) : 0.0f,
+                                         pad::vocab_slice(sp, split_len, V), t, threads);
       parts[pos * splits + sp] = tree(lanes, merge_stats);
     }
+  }
 
   // Kernel 2: one block per row.
   for (int64_t b = 0; b < B; ++b) {
@@ -65,6 +72,7 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
       if (i < K) {
         const int64_t d = drafts[b * K + i];
         token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + pos * V, temperature}(d)) : NAN;
+        divergence[b * K + i] = draft_logits != nullptr ? pad::row_divergence(s) : -1.0f;
       }
     }
     for (int64_t i0 = 0; i0 < K; i0 += pad::kTile) {
@@ -98,7 +106,7 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
       }
     }
     const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms, sampling,
-                                      has_clf, sigma, floor_, rule, entropy, top3_entropy,
+                                      has_clf, sigma, floor_, rule, entropy, top3_entropy, stats.data(), divergence,
                                       pad::row_drafts(num_drafts, b, K), accepted, pivot_accepted);
     num_accepted[b] = n;
     if (!sampling) next_token[b] = argmax[b * K1 + n];
@@ -132,9 +140,10 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
                          const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                          const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
-                         const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob,
-                         at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
-                         at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy, int64_t splits,
+                         const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
+                         at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
+                         at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
+                         at::Tensor& next_token, at::Tensor& top3_entropy, at::Tensor& divergence, int64_t splits,
                          int64_t split_len, int64_t race_splits, int64_t race_split_len, int64_t threads) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [B, K+1, V]");
   const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
@@ -143,6 +152,9 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
   TORCH_CHECK(threads > 0 && (threads & (threads - 1)) == 0, "threads must be a power of 2");
   const bool has_clf = w1.has_value();
   TORCH_CHECK(!has_clf || (hidden.has_value() && hidden->is_contiguous()), "a classifier needs contiguous hidden");
+  TORCH_CHECK(!draft_logits.has_value() || (draft_logits->scalar_type() == logits.scalar_type() &&
+                                            draft_logits->is_contiguous() && draft_logits->numel() == B * K * V),
+              "draft_logits must be contiguous [B, K, V] of the logits' dtype");
   auto ptr = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "pad_emulate_logits", [&] {
     using logit_t = scalar_t;
@@ -154,8 +166,9 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
               pivot_accepted.data_ptr<bool>(), num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), B, K,
               V, has_clf ? hidden->size(2) : 0, has_clf ? w1->size(1) : 1, (float)sigma, (float)floor_,
               (float)temperature, pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
-              num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr, splits, split_len, race_splits,
-              race_split_len, threads);
+              num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr,
+              draft_logits.has_value() ? draft_logits->data_ptr<logit_t>() : nullptr, divergence.data_ptr<float>(),
+              splits, split_len, race_splits, race_split_len, threads);
     };
     if (!has_clf) {
       run(static_cast<const float*>(nullptr));

@@ -26,9 +26,10 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
                           const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                           const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                           const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
-                          const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
+                          const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
+                          at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
                           at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
-                          at::Tensor& next_token, at::Tensor& top3_entropy) {
+                          at::Tensor& next_token, at::Tensor& top3_entropy, at::Tensor& divergence) {
   check(logits.device().is_cpu() && logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [B, K+1, V] on the CPU");
   const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
   check(draft_tokens.scalar_type() == at::kLong && draft_tokens.is_contiguous() && draft_tokens.size(0) == B &&
@@ -54,6 +55,9 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
   if (num_drafts.has_value())
     check(num_drafts->scalar_type() == at::kLong && num_drafts->is_contiguous() && num_drafts->numel() == B,
           "num_drafts must be contiguous int64 [B]");
+  if (draft_logits.has_value())
+    check(draft_logits->scalar_type() == logits.scalar_type() && draft_logits->is_contiguous() &&
+              draft_logits->numel() == B * K * V, "draft_logits must be contiguous [B, K, V] of the logits' dtype");
   auto ptr = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; };
   const float b2v = has_clf ? b2->item<float>() : 0.0f;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "pad_verify_logits", [&] {
@@ -62,10 +66,12 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
       PAD_ISA_CALL(verify_kernel, logits.data_ptr<logit_t>(), draft_tokens.data_ptr<int64_t>(), hidden_ptr, ptr(w1), ptr(b1),
                     ptr(w2), b2v, Hdim, D, (float)sigma, (float)floor_, (float)temperature, ptr(draft_probs),
                     ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
-                    num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr, B, K, V,
+                    num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr,
+                    draft_logits.has_value() ? draft_logits->data_ptr<logit_t>() : nullptr, B, K, V,
                     entropy.data_ptr<float>(), token_prob.data_ptr<float>(), argmax.data_ptr<int64_t>(),
                     pivot_prob.data_ptr<float>(), accepted.data_ptr<bool>(), pivot_accepted.data_ptr<bool>(),
-                    num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), top3_entropy.data_ptr<float>());
+                    num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), top3_entropy.data_ptr<float>(),
+                    divergence.data_ptr<float>());
     };
     if (!has_clf) {
       run(static_cast<const float*>(nullptr));
@@ -85,9 +91,10 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
                          const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                          const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
-                         const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob,
-                         at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
-                         at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy, int64_t splits,
+                         const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
+                         at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
+                         at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
+                         at::Tensor& next_token, at::Tensor& top3_entropy, at::Tensor& divergence, int64_t splits,
                          int64_t split_len, int64_t race_splits, int64_t race_split_len, int64_t threads);
 
 // csrc/cpu/gqa_attention_cpu.cpp

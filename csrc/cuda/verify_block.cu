@@ -55,13 +55,21 @@ __device__ V block_reduce(V* shared, const V& mine, Merge merge) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) split_stats_kernel(const T* __restrict__ logits,  // [B, K+1, V]
+                                                               const T* __restrict__ draft_logits,  // [B, K, V] or null
+                                                               const int64_t* __restrict__ drafts,  // [B, K]
                                                                pad::RowStats* parts,          // [B, K+1, S] out
-                                                               int64_t V, int64_t split_len, float temperature) {
+                                                               int64_t K, int64_t V, int64_t split_len,
+                                                               float temperature, bool ranked) {
   __shared__ pad::RowStats shared[kThreads];
-  const int64_t pos = blockIdx.x, sp = blockIdx.y, S = gridDim.y;
+  const int64_t pos = blockIdx.x, sp = blockIdx.y, S = gridDim.y, b = pos / (K + 1), i = pos % (K + 1);
   const ScaledLogits<T> x{logits + pos * V, temperature};
+  const bool has_draft = i < K && draft_logits != nullptr;
+  const ScaledLogits<T> y{has_draft ? draft_logits + (b * K + i) * V : nullptr, temperature};
+  const int64_t d = i < K ? drafts[b * K + i] : -1;
+  const bool rank = ranked && pad::in_vocab(d, V);  // topk: the tokens ranked above d
   const pad::RowStats s = block_reduce(
-      shared, pad::thread_row_stats(x, pad::vocab_slice(sp, split_len, V), threadIdx.x, blockDim.x), MergeStats{});
+      shared, pad::thread_row_stats(x, y, has_draft, rank ? d : -1, rank ? x(d) : 0.0f,
+                                    pad::vocab_slice(sp, split_len, V), threadIdx.x, blockDim.x), MergeStats{});
   if (threadIdx.x == 0) parts[pos * S + sp] = s;
 }
 
@@ -71,7 +79,8 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
     const H* __restrict__ hidden,  // [B, K+1, Hdim]
     const float* w1, const float* b1, const float* w2, const float* b2,  // [Hdim+2, D], [D], [D], []
     const float* draft_probs, const float* uniforms, const pad::RowStats* parts, int64_t S,
-    float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, pad::RowStats* stats_out,
+    float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, float* divergence,
+    bool has_draft_logits, pad::RowStats* stats_out,
     float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token,
     unsigned* races_done, int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_,
     float temperature, pad::Rule rule, const int64_t* num_drafts) {
@@ -93,6 +102,7 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
     if (i < K) {
       const int64_t d = drafts[b * K + i];
       token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + pos * V, temperature}(d)) : NAN;
+      divergence[b * K + i] = has_draft_logits ? pad::row_divergence(s) : -1.0f;
     }
   }
   __syncthreads();  // thread 0's features are read by every thread below
@@ -135,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
   // 2. The accepted prefix (one thread: K is small).
   if (t != 0) return;
   const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms, sampling,
-                                    has_clf, sigma, floor_, rule, entropy, top3_entropy,
+                                    has_clf, sigma, floor_, rule, entropy, top3_entropy, stats_out, divergence,
                                     pad::row_drafts(num_drafts, b, K), accepted, pivot_accepted);
   num_accepted[b] = n;
   if (sampling) races_done[b] = 0;  // kernel 3 counts its finished slices here (stream order: it runs after)
@@ -192,11 +202,13 @@ cudaError_t launch(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
   const int64_t K1 = a.K + 1;
   pad_cuda::Scratch s = pad_cuda::scratch_layout(a.scratch, a.B, a.K, a.splits, a.race_splits);
   if (a.B * K1 == 0) return cudaSuccess;
-  split_stats_kernel<T><<<dim3(a.B * K1, a.splits), kThreads, 0, stream>>>(logits, s.parts, a.V, a.split_len,
-                                                                            a.temperature);
+  split_stats_kernel<T><<<dim3(a.B * K1, a.splits), kThreads, 0, stream>>>(
+      logits, static_cast<const T*>(a.draft_logits), a.drafts, s.parts, a.K, a.V, a.split_len, a.temperature,
+      a.rule.kind == pad::kRuleTopk);
   accept_kernel<T, H><<<a.B, kThreads, 0, stream>>>(
       logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms, s.parts,
-      a.splits, a.entropy, a.top3_entropy, a.argmax, a.token_prob, s.stats, a.pivot_prob, a.accepted,
+      a.splits, a.entropy, a.top3_entropy, a.argmax, a.token_prob, a.divergence, a.draft_logits != nullptr, s.stats,
+      a.pivot_prob, a.accepted,
       a.pivot_accepted, a.num_accepted, a.next_token, s.races_done, a.K, a.V, a.H, a.D, a.sigma, a.floor_,
       a.temperature, a.rule, a.num_drafts);
   if (a.temperature > 0.0f)

@@ -25,10 +25,11 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
                            const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
                            const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                            const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a,
-                           double rule_b, const c10::optional<at::Tensor>& num_drafts, at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax,
-                           at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
+                           double rule_b, const c10::optional<at::Tensor>& num_drafts,
+                           const c10::optional<at::Tensor>& draft_logits, at::Tensor& entropy, at::Tensor& token_prob,
+                           at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
                            at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy,
-                           int64_t splits, int64_t split_len, int64_t race_splits, int64_t race_split_len) {
+                           at::Tensor& divergence, int64_t splits, int64_t split_len, int64_t race_splits, int64_t race_split_len) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 3 && logits.is_contiguous(),
               "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] on a CUDA device");
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -72,6 +73,12 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
   a.num_accepted = num_accepted.data_ptr<int64_t>();
   a.next_token = next_token.data_ptr<int64_t>();
   a.top3_entropy = top3_entropy.data_ptr<float>();
+  a.divergence = divergence.data_ptr<float>();
+  TORCH_CHECK(!draft_logits.has_value() || (draft_logits->is_cuda() && draft_logits->is_contiguous() &&
+                                            draft_logits->scalar_type() == logits.scalar_type() &&
+                                            draft_logits->numel() == B * K * a.V),
+              "pad_kernels cuda verify_block: draft_logits must be contiguous [B, K, V] of the logits' dtype");
+  a.draft_logits = draft_logits.has_value() ? draft_logits->data_ptr() : nullptr;
   TORCH_CHECK(!num_drafts.has_value() || (num_drafts->is_cuda() && num_drafts->scalar_type() == at::kLong &&
                                           num_drafts->is_contiguous() && num_drafts->numel() == B),
               "pad_kernels cuda verify_block: num_drafts must be contiguous int64 [B] on CUDA");

@@ -25,6 +25,8 @@ struct VerifyArgs {
   int64_t *num_accepted, *next_token;                  // [B]
   float* top3_entropy;                                 // [B, K+1]
   const int64_t* num_drafts;                           // [B] or nullptr (every row drafted K)
+  const void* draft_logits;                            // [B, K, V] of logits_dtype, or nullptr
+  float* divergence;                                   // [B, K]
   void* scratch;                                       // scratch_bytes(B, K, splits, race_splits), 8-aligned
   int64_t B, K, V, H, D;
   int64_t splits, split_len;            // vocabulary slices per position (kernels 1-2), 1 <= splits <= 65535

@@ -76,6 +76,15 @@ def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_toke
         raise ValueError("policy 'pivot' needs a classifier (or sigma=0, which is the exact policy)")
 
 
+def _stack_draft_logits(draft_logits: list, target_logits: torch.Tensor) -> torch.Tensor:
+    """The draft's logits of a block's k steps ([b, V] each) as [b, k, V] in the target logits' dtype (the
+    fused op reads both in one type); an empty [b, 0, V] for a block without drafts."""
+    b, _, V = target_logits.shape
+    if not draft_logits:
+        return target_logits.new_empty((b, 0, V))
+    return torch.stack(draft_logits, 1).to(target_logits.dtype)
+
+
 def _draft_length(num_draft_tokens, max_draft_tokens):
     """generate's K arguments -> an int K or an ``AutoDraftLength``."""
     if isinstance(num_draft_tokens, str):
@@ -426,10 +435,12 @@ def _decode_speculative(tgt, drf, run, clf, lengths, sigma, floor, temperature, 
             # With draft_stop, a row's own length ends after a draft step whose top probability is low, and
             # drafting ends when every row has stopped (one host sync per draft step).
             ids, fed = left_pad(pend_d, drf.device) if k else (None, None)
-            drafts, draft_probs = [], []
+            drafts, draft_probs, draft_logits = [], [], []
             stops = torch.full((b,), k, dtype=torch.long) if draft_stop is not None and k else None
             for step in range(k):
                 logits = clock.forward(drf, ids, fed, 1, draft=True)[:, -1]  # [b, V]
+                if rule.needs_draft_logits:  # the distribution the draft samples from, as the target's below
+                    draft_logits.append(warp_logits(logits, temperature, top_p).to(tgt.device))
                 if gen is not None:
                     q = sampling_probs(logits, temperature, top_p).to(tgt.device)  # the generator's device
                     ids = torch.multinomial(q, 1, generator=gen)
@@ -465,6 +476,7 @@ def _decode_speculative(tgt, drf, run, clf, lengths, sigma, floor, temperature, 
                 draft_probs=draft_probs if gen is not None else None,
                 uniforms=uniforms, exponentials=exponentials, rule=rule, backend=backend,
                 num_drafts=stops.to(tgt.device) if stops is not None else None, out=workspace,
+                draft_logits=_stack_draft_logits(draft_logits, target_logits) if rule.needs_draft_logits else None,
             )
 
             # 3. Accept: the block's only device-to-host sync.

@@ -3,7 +3,10 @@
 ``NAME[@A[,B]]``: ``target``, ``draft`` (one model alone), ``exact`` (standard speculative decoding),
 ``pivot@SIGMA`` (the pivot classifier), and the training-free relaxations of the exact rule, decided
 inside ``pad_kernels.verify_block`` (see ``pad_kernels.AcceptRule``): ``typical@EPSILON,DELTA``
-(defaults 0.09, 0.3), ``threshold@TAU``, ``fly@GATE,WINDOW`` (defaults 0.3, 6; greedy only).
+(defaults 0.09, 0.3), ``threshold@TAU``, ``fly@GATE,WINDOW`` (defaults 0.3, 6; greedy only), and the two
+that also read the draft's distribution: ``kl@EPSILON[,TOP1]`` (KL(p || q) <= epsilon where the target's
+top-1 probability is below top1, default 1) and ``topk@K,DELTA`` (the draft token among the target's K
+most likely, its probability within delta of the top-1's).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 from pad_kernels import AcceptRule
 
 ALONE = ("target", "draft")
-SPECULATIVE = ("exact", "pivot", "typical", "threshold", "fly")
+SPECULATIVE = ("exact", "pivot", "typical", "threshold", "fly", "kl", "topk")
 NAMES = ALONE + SPECULATIVE
 # Settings after "@": their names and defaults (None: required).
 # pivot's sigma when none is given, chosen for the shipped classifier (5bb6d08638e95490) by decoding GSM8K
@@ -20,7 +23,8 @@ NAMES = ALONE + SPECULATIVE
 # accuracy there (bench/results/gsm8k_train_7000-7095_frontier_bfloat16.md; docs/results.md says why exact's).
 DEFAULT_SIGMA = 0.3
 SETTINGS = {"pivot": (("sigma", None),), "typical": (("epsilon", 0.09), ("delta", 0.3)),
-            "threshold": (("tau", None),), "fly": (("gate", 0.3), ("window", 6))}
+            "threshold": (("tau", None),), "fly": (("gate", 0.3), ("window", 6)),
+            "kl": (("epsilon", None), ("top1", 1.0)), "topk": (("k", None), ("delta", None))}
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Policy:
             return f"pivot@{self.sigma:g}"
         if self.rule.name == "threshold":
             return f"threshold@{self.rule.a:g}"
-        if self.rule.name in ("typical", "fly"):
+        if self.rule.name in ("typical", "fly", "kl", "topk"):
             return f"{self.name}@{self.rule.a:g},{self.rule.b:g}"
         return self.name
 
@@ -50,7 +54,7 @@ def parse_policy(spec) -> Policy:
     name, _, rest = spec.strip().partition("@")
     if name not in NAMES:
         raise ValueError(f"unknown policy {spec!r}; choose one of {', '.join(NAMES)} (settings after @, for example "
-                         "pivot@0.3, typical@0.09,0.3, threshold@0.2, fly@0.3,6)")
+                         "pivot@0.3, typical@0.09,0.3, threshold@0.2, fly@0.3,6, kl@0.5,0.9, topk@3,0.1)")
     names = SETTINGS.get(name, ())
     try:
         given = [float(v) for v in rest.split(",")] if rest else []
@@ -76,6 +80,12 @@ def parse_policy(spec) -> Policy:
         if values[1] != int(values[1]):
             raise ValueError(f"the fly window must be a whole number, got {spec!r}")
         rule = AcceptRule.fly(values[0], int(values[1]))
+    elif name == "kl":
+        rule = AcceptRule.kl(*values)
+    elif name == "topk":
+        if values[0] != int(values[0]):
+            raise ValueError(f"the topk k must be a whole number, got {spec!r}")
+        rule = AcceptRule.topk(int(values[0]), values[1])
     else:
         rule = AcceptRule()
     from pad_kernels.verify import check_rule

@@ -90,6 +90,9 @@ class ServingConfig:
         if policy.name not in SPECULATIVE:
             raise ValueError(f"policy {policy.name!r} decodes with one model: serve that model without a "
                              f"speculative config instead (pad's policies here: {', '.join(SPECULATIVE)})")
+        if policy.rule.needs_draft_logits:
+            raise ValueError(f"policy {policy.name} reads the draft's logits, which vLLM's rejection step does not "
+                             "hand over; inside vLLM use exact, pivot, typical, threshold, fly or topk")
         if policy.name == "pivot" and policy.sigma is None:
             policy = Policy("pivot", sigma=DEFAULT_SIGMA)
         classifier = entry.get("classifier")

@@ -63,11 +63,11 @@ def jobs():
     cfg = launch_config(K=10, V=151936, H=1536, D=128, S=slices)
     block_v = 1024  # the launcher's chunk for slices of 1024 logits or more
     for dname, dptr in DTYPES.items():
-        for scaled in (False, True):
-            sig = dict(logits_ptr=dptr, part_ptr="*fp32", part_arg_ptr="*i64", V="i32", split_len="i32", S="i32",
-                       temperature="fp32")
-            yield (f"_split_stats_kernel[{dname}, SCALED={scaled}]", _split_stats_kernel, sig,
-                   dict(SCALED=scaled, BLOCK_V=block_v))
+        for scaled, has_draft, ranked in itertools.product((False, True), repeat=3):
+            sig = dict(logits_ptr=dptr, draft_logits_ptr=dptr, drafts_ptr="*i64", part_ptr="*fp32",
+                       part_sum_ptr="*fp64", part_arg_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32", temperature="fp32")
+            yield (f"_split_stats_kernel[{dname}, SCALED={scaled}, HAS_DRAFT={has_draft}, RANKED={ranked}]",
+                   _split_stats_kernel, sig, dict(SCALED=scaled, HAS_DRAFT=has_draft, RANKED=ranked, BLOCK_V=block_v))
         for has_nd in (False, True):
             sig = dict(logits_ptr=dptr, draft_probs_ptr="*fp32", exponentials_ptr="*fp32", num_accepted_ptr="*i64",
                        num_drafts_ptr="*i64", row_ms_ptr="*fp32", race_ptr="*fp32", race_arg_ptr="*i64",
@@ -75,21 +75,26 @@ def jobs():
                        temperature="fp32")
             yield (f"_draw_kernel[{dname}, HAS_ND={has_nd}]", _draw_kernel, sig,
                    dict(HAS_ND=has_nd, BLOCK_V=block_v, SPC=16))
-        for has_clf, sampling, rule, has_nd in itertools.product((False, True), (False, True), range(len(RULES)),
-                                                                 (False, True)):
+        for has_clf, sampling, rule, has_nd, has_draft in itertools.product(
+                (False, True), (False, True), range(len(RULES)), (False, True), (False, True)):
             if sampling and RULES[rule] not in SAMPLING_RULES:
+                continue
+            # The draft's logits: always with kl, else only to report the divergence (one rule suffices: the
+            # divergence's code is the same whatever the rule).
+            if has_draft != (RULES[rule] == "kl") and not (has_draft and RULES[rule] == "exact"):
                 continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
                        w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
-                       exponentials_ptr="*fp32", part_ptr="*fp32", part_arg_ptr="*i64", row_ms_ptr="*fp32",
+                       exponentials_ptr="*fp32", part_ptr="*fp32", part_sum_ptr="*fp64", part_arg_ptr="*i64", row_ms_ptr="*fp32",
                        done_ptr="*i32", entropy_ptr="*fp32",
                        top3_ptr="*fp32", argmax_ptr="*i64", token_prob_ptr="*fp32", pivot_prob_ptr="*fp32",
                        accepted_ptr="*i1", pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64",
-                       K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32", temperature="fp32",
+                       divergence_ptr="*fp32", K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32", temperature="fp32",
                        rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64")
             yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
-                   f"RULE={RULES[rule]}]",
-                   _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd, **cfg))
+                   f"RULE={RULES[rule]}, HAS_DRAFT={has_draft}]",
+                   _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd,
+                                             HAS_DRAFT=has_draft, **cfg))
 
 
 def _compile_job(arch: int, index: int):

@@ -9,12 +9,15 @@
    each position exactly (as a tree; a tie of the maximum keeps the lowest index), which gives the entropy,
    the top-3 entropy, the argmax and ``p_target(d_i)`` (one logit read); the folded classifier runs on the
    row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted prefix (exact
-   rule, classifier, or the training-free rule: typical, threshold, fly), and, greedy, the next token: the
-   argmax at the first rejection.
+   rule, classifier, or the training-free rule: typical, threshold, fly, kl, topk), and, greedy, the next
+   token: the argmax at the first rejection. With the draft's logits, kernel 1 also runs the draft's online
+   softmax and the cross term of KL(p || q) over the same slice, and for topk counts the tokens that rank
+   above each draft token; kernel 2 merges them with the rest.
 3. ``_draw_kernel`` (sampling), one program per (row, vocabulary slice): the exponential race over the
    residual ``max(0, p - q)`` at the row's first rejection, split like kernel 1; the last program of a row
    to finish merges the slices' winners.
-All arithmetic is fp32 whatever the logits' dtype. Tested on the CPU with ``TRITON_INTERPRET=1``.
+All arithmetic is fp32 whatever the logits' dtype, but for the sums of exp(x - max), which add in fp64 (as the
+CPU backend's: fp32 adds lost ulps of p). Tested on the CPU with ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -50,29 +53,57 @@ def _rescaled(m, s, sd, new_m):
     is -inf holds no mass (NaN is kept alive via * 0)."""
     delta = tl.where(m == float("-inf"), 0.0, new_m - m)
     scale = tl.exp(-delta)
-    sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s)))
+    sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s.to(tl.float32))))
     s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
     return s, sd
 
 
 @triton.jit
+def _draft_rescaled(dm, ds, new_dm):
+    """The draft's sum of exp(y - dm) against the larger max new_dm (0 while empty)."""
+    return tl.where(dm == float("-inf"), 0.0, ds * tl.exp(dm - new_dm))
+
+
+@triton.jit
 def _split_stats_kernel(
     logits_ptr,  # [B, K+1, V] fp32/bf16/fp16
-    part_ptr,  # [B, K+1, S, 5] fp32 out: max, sum of exp(x - max), sum of exp(x - max) * (x - max), 2nd, 3rd largest
-    part_arg_ptr,  # [B, K+1, S] int64 out: argmax of the slice (lowest index on ties)
-    V, split_len, S, temperature,
+    draft_logits_ptr,  # [B, K, V] (HAS_DRAFT)
+    drafts_ptr,  # [B, K] int64 (RANKED)
+    part_ptr,  # [B, K+1, S, 7] fp32 out: max, sum of exp(x - max) * (x - max), 2nd, 3rd largest, the draft's
+    #            max and sum of exp(y - its max), sum of exp(x - max) * (x - y)
+    part_sum_ptr,  # [B, K+1, S] fp64 out: sum of exp(x - max) (fp32 adds lost ulps of p, as on the CPU)
+    part_arg_ptr,  # [B, K+1, S, 2] int64 out: argmax of the slice (lowest index on ties), tokens ranked above d
+    K, V, split_len, S, temperature,
     SCALED: tl.constexpr,  # temperature > 0
+    HAS_DRAFT: tl.constexpr,  # the draft's logits are given: its softmax and the divergence's cross term
+    RANKED: tl.constexpr,  # topk: count the tokens ranked above the draft token
     BLOCK_V: tl.constexpr,
 ):
     """Program (position, split): the online softmax over logits [split * split_len, (split + 1) * split_len)."""
     pos = tl.program_id(0)
     sp = tl.program_id(1)
     row = logits_ptr + pos.to(tl.int64) * V
+    b = pos // (K + 1)
+    i = pos % (K + 1)
+    is_draft = i < K
+    d = tl.full((), -1, tl.int64)
+    xd = tl.zeros((), tl.float32)
+    if RANKED:
+        d = tl.load(drafts_ptr + b * K + i, mask=is_draft, other=-1)
+        xd = tl.load(row + d, mask=(d >= 0) & (d < V), other=0.0).to(tl.float32)
+        if SCALED:
+            xd = xd / temperature
+    ranked = (d >= 0) & (d < V)
+    yrow = draft_logits_ptr + (b * K + i).to(tl.int64) * V
+    dm = tl.full((), float("-inf"), tl.float32)
+    dsum = tl.zeros((), tl.float32)
+    cross = tl.zeros((), tl.float32)
+    above = tl.zeros((), tl.int64)
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, V)
     offs = tl.arange(0, BLOCK_V)
     m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
+    s = tl.zeros((), tl.float64)
     sd = tl.zeros((), tl.float32)  # sum of exp(x - m) * (x - m): entropy = log(s) - sd / s
     arg = tl.zeros((), tl.int64) - 1
     t1 = tl.full((), float("-inf"), tl.float32)  # second and third largest (the largest is m)
@@ -94,35 +125,60 @@ def _split_stats_kernel(
         t0, t1, t2 = _top3_insert(t0, t1, t2, c2)
         new_m = tl.maximum(m, cm)
         arg = tl.where((cm > m) | (arg < 0), ca, arg)
+        cross = tl.where(m == float("-inf"), cross * 0.0, tl.where(new_m == m, cross, cross * tl.exp(m - new_m)))
         s, sd = _rescaled(m, s, sd, new_m)
         m = new_m
         none = x == float("-inf")
-        d = tl.where(none, 0.0, x - m)
+        dx = tl.where(none, 0.0, x - m)
         e = tl.where(none, 0.0, tl.exp(x - m))
-        s += tl.sum(e, axis=0)
-        sd += tl.sum(e * d, axis=0)
+        s += tl.sum(e.to(tl.float64), axis=0)
+        sd += tl.sum(e * dx, axis=0)
+        if RANKED:
+            up = (x > xd) | ((x == xd) & (idx < d))
+            above += tl.sum(tl.where((idx < hi) & ranked & up, 1, 0), axis=0).to(tl.int64)
+        if HAS_DRAFT:
+            ymask = (idx < hi) & is_draft
+            y = tl.load(yrow + idx, mask=ymask, other=float("-inf")).to(tl.float32)
+            if SCALED:
+                y = y / temperature
+            new_dm = tl.maximum(dm, tl.max(y, axis=0))
+            dsum = _draft_rescaled(dm, dsum, new_dm)
+            dm = new_dm
+            dsum += tl.sum(tl.where(y == float("-inf"), 0.0, tl.exp(y - dm)), axis=0)
+            # x - y is +inf where the draft gives no mass and the target does: KL(p || q) is +inf there
+            term = tl.where(none | ~ymask, 0.0, tl.where(y == float("-inf"), float("inf"), e * (x - y)))
+            cross += tl.sum(term, axis=0)
     at = (pos.to(tl.int64) * S + sp)
-    tl.store(part_ptr + at * 5, m)
-    tl.store(part_ptr + at * 5 + 1, s)
-    tl.store(part_ptr + at * 5 + 2, sd)
-    tl.store(part_ptr + at * 5 + 3, t1)
-    tl.store(part_ptr + at * 5 + 4, t2)
-    tl.store(part_arg_ptr + at, arg)
+    tl.store(part_sum_ptr + at, s)
+    tl.store(part_ptr + at * 7, m)
+    tl.store(part_ptr + at * 7 + 1, sd)
+    tl.store(part_ptr + at * 7 + 2, t1)
+    tl.store(part_ptr + at * 7 + 3, t2)
+    tl.store(part_ptr + at * 7 + 4, dm)
+    tl.store(part_ptr + at * 7 + 5, dsum)
+    tl.store(part_ptr + at * 7 + 6, cross)
+    tl.store(part_arg_ptr + at * 2, arg)
+    tl.store(part_arg_ptr + at * 2 + 1, above)
 
 
 @triton.jit
-def _merge(m, s, sd, t1, t2, arg, pm, ps, psd, p1, p2, pa):
-    """Two slices' softmax states as one; symmetric, so a reduction tree may pair them in any order (a tie
-    of the maxima keeps the lower index)."""
+def _merge(m, s, sd, t1, t2, dm, ds, cr, arg, ab, pm, ps, psd, p1, p2, pdm, pds, pcr, pa, pab):
+    """Two slices' states as one; symmetric, so a reduction tree may pair them in any order (a tie of the
+    maxima keeps the lower index)."""
     t0, t1, t2 = _top3_insert(m, t1, t2, pm)
     t0, t1, t2 = _top3_insert(t0, t1, t2, p1)
     t0, t1, t2 = _top3_insert(t0, t1, t2, p2)
     new_m = tl.maximum(m, pm)
     # A state with arg -1 is empty (padding of the reduction): it never wins.
     arg = tl.where((pa >= 0) & ((arg < 0) | (pm > m) | ((pm == m) & (pa < arg))), pa, arg)
+    # The cross terms scale with the target's max, as the sums do.
+    cra = tl.where(m == float("-inf"), cr * 0.0, tl.where(new_m == m, cr, cr * tl.exp(m - new_m)))
+    crb = tl.where(pm == float("-inf"), pcr * 0.0, tl.where(new_m == pm, pcr, pcr * tl.exp(pm - new_m)))
     sa, sda = _rescaled(m, s, sd, new_m)
     sb, sdb = _rescaled(pm, ps, psd, new_m)
-    return new_m, sa + sb, sda + sdb, t1, t2, arg
+    new_dm = tl.maximum(dm, pdm)
+    dsum = _draft_rescaled(dm, ds, new_dm) + _draft_rescaled(pdm, pds, new_dm)
+    return new_m, sa + sb, sda + sdb, t1, t2, new_dm, dsum, cra + crb, arg, ab + pab
 
 
 @triton.jit
@@ -137,7 +193,7 @@ def _accept_kernel(
     draft_probs_ptr,  # [B, K, V] fp32 (sampling)
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
-    part_ptr, part_arg_ptr,  # [B, K+1, S, 5], [B, K+1, S] from _split_stats_kernel
+    part_ptr, part_sum_ptr, part_arg_ptr,  # [B, K+1, S, 7], [B, K+1, S] fp64, [B, K+1, S, 2] from _split_stats_kernel
     row_ms_ptr,  # [B, 2] fp32 out (sampling): softmax max and sum at the row's first rejection, for _draw_kernel
     done_ptr,  # [B] int32 out (sampling): zeroed here, counts _draw_kernel's finished slices
     entropy_ptr, top3_ptr,  # [B, K+1] fp32 out
@@ -148,12 +204,14 @@ def _accept_kernel(
     pivot_accepted_ptr,  # [B, K] bool out
     num_accepted_ptr,  # [B] int64 out
     next_token_ptr,  # [B] int64 out
+    divergence_ptr,  # [B, K] fp32 out
     K, V, H, D, S, sigma, floor, temperature, rule_a, rule_b,
     window,  # fly: int(rule_b)
     num_drafts_ptr,  # [B] int64: each row's own draft length (HAS_ND)
     HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
-    RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly
+    RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly, 4 kl, 5 topk
     HAS_ND: tl.constexpr,  # rows have their own draft lengths
+    HAS_DRAFT: tl.constexpr,  # kernel 1 read the draft's logits: the divergence is defined
     KP: tl.constexpr,  # power of 2 >= max(K + 1, 16): tl.dot needs 16 rows
     SPC: tl.constexpr,  # vocabulary slices merged at once
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -171,25 +229,36 @@ def _accept_kernel(
     # 0. Merge the S slices' softmax states of each of the row's K+1 positions, in slice order: exact, and
     # the lowest index wins a tie of the maximum across slices as within one.
     m = tl.full((KP,), float("-inf"), tl.float32)
-    s = tl.zeros((KP,), tl.float32)
+    s = tl.zeros((KP,), tl.float64)
     sd = tl.zeros((KP,), tl.float32)
     arg = tl.zeros((KP,), tl.int64) - 1
     t1 = tl.full((KP,), float("-inf"), tl.float32)
     t2 = tl.full((KP,), float("-inf"), tl.float32)
+    dm = tl.full((KP,), float("-inf"), tl.float32)
+    dsum = tl.zeros((KP,), tl.float32)
+    cr = tl.zeros((KP,), tl.float32)
+    ab = tl.zeros((KP,), tl.int64)
     # SPC slices at a time as a tree (rounding grows with log S, not S), the groups one after another.
     at = (b * K1 + ks).to(tl.int64) * S
     cs = tl.arange(0, SPC)
     for c0 in range(0, S, SPC):
         cmask = k1mask[:, None] & (c0 + cs[None, :] < S)
         ix = at[:, None] + c0 + cs[None, :]  # [KP, SPC]
-        pm = tl.load(part_ptr + ix * 5, mask=cmask, other=float("-inf"))
-        ps = tl.load(part_ptr + ix * 5 + 1, mask=cmask, other=0.0)
-        psd = tl.load(part_ptr + ix * 5 + 2, mask=cmask, other=0.0)
-        p1 = tl.load(part_ptr + ix * 5 + 3, mask=cmask, other=float("-inf"))
-        p2 = tl.load(part_ptr + ix * 5 + 4, mask=cmask, other=float("-inf"))
-        pa = tl.load(part_arg_ptr + ix, mask=cmask, other=-1)
-        pm, ps, psd, p1, p2, pa = tl.reduce((pm, ps, psd, p1, p2, pa), 1, _merge)
-        m, s, sd, t1, t2, arg = _merge(m, s, sd, t1, t2, arg, pm, ps, psd, p1, p2, pa)
+        ps = tl.load(part_sum_ptr + ix, mask=cmask, other=0.0)
+        pm = tl.load(part_ptr + ix * 7, mask=cmask, other=float("-inf"))
+        psd = tl.load(part_ptr + ix * 7 + 1, mask=cmask, other=0.0)
+        p1 = tl.load(part_ptr + ix * 7 + 2, mask=cmask, other=float("-inf"))
+        p2 = tl.load(part_ptr + ix * 7 + 3, mask=cmask, other=float("-inf"))
+        pdm = tl.load(part_ptr + ix * 7 + 4, mask=cmask, other=float("-inf"))
+        pds = tl.load(part_ptr + ix * 7 + 5, mask=cmask, other=0.0)
+        pcr = tl.load(part_ptr + ix * 7 + 6, mask=cmask, other=0.0)
+        pa = tl.load(part_arg_ptr + ix * 2, mask=cmask, other=-1)
+        pab = tl.load(part_arg_ptr + ix * 2 + 1, mask=cmask, other=0)
+        pm, ps, psd, p1, p2, pdm, pds, pcr, pa, pab = tl.reduce(
+            (pm, ps, psd, p1, p2, pdm, pds, pcr, pa, pab), 1, _merge)
+        m, s, sd, t1, t2, dm, dsum, cr, arg, ab = _merge(m, s, sd, t1, t2, dm, dsum, cr, arg, ab,
+                                                         pm, ps, psd, p1, p2, pdm, pds, pcr, pa, pab)
+    s = s.to(tl.float32)
     ent_all = tl.where(s == 0, float("-inf"), tl.log(s) - sd / s)
     # Top-3 entropy with the full softmax's probabilities; absent (-inf) entries and an empty row add 0.
     ls = tl.log(s)
@@ -208,6 +277,13 @@ def _accept_kernel(
     tl.store(token_prob_ptr + b * K + ks, tp, mask=kmask)
     tp = tl.where(kmask, tp, 0.0)
     am = tl.where(kmask, arg, -1)
+    # KL(p || q) = cross / sum - lse(x) + lse(y), and max p (the argmax's probability).
+    if HAS_DRAFT:
+        div = cr / s - (m + tl.log(s)) + (dm + tl.log(dsum))
+    else:
+        div = tl.full((KP,), -1.0, tl.float32)
+    tl.store(divergence_ptr + b * K + ks, div, mask=kmask)
+    top_prob = 1.0 / s
 
     # 1. Pivot probability of every draft position: sigmoid(w2 . relu(W1^T [h; p; entropy] + b1) + b2).
     if HAS_CLF:
@@ -247,6 +323,10 @@ def _accept_kernel(
         ok = ok | (tp > tl.minimum(rule_a, rule_b * tl.exp(-ent_k)))
     if RULE == 2:  # threshold: p >= tau
         ok = ok | (tp >= rule_a)
+    if RULE == 4:  # kl: KL(p || q) <= epsilon where the target's top-1 probability is below top1
+        ok = ok | ((div <= rule_a) & (top_prob < rule_b) & valid)
+    if RULE == 5:  # topk: among the target's k most likely, within delta of the top-1 probability
+        ok = ok | ((ab.to(tl.float32) < rule_a) & (tp >= top_prob - rule_b))
     if RULE == 3:  # fly: top-3 entropy >= gate and the next window - 1 drafts, inside the block, match
         h3 = tl.where(kmask, h3_all, 0.0)
         # The first mismatch after each position (K when none): [KP, KP] over (position, later position).
@@ -390,6 +470,7 @@ def verify_block_triton(
     exponentials: torch.Tensor | None = None,  # [B, V]
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
+    draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
     out: VerifyResult | None = None,
     splits: int | None = None,
 ) -> VerifyResult:
@@ -403,13 +484,18 @@ def verify_block_triton(
     drafts = draft_tokens.contiguous()
     S, split_len = split_plan(B * K1, V, sm_count(dev), splits)
     block_v = min(1024, triton.next_power_of_2(split_len))
-    part = torch.empty(B * K1 * S * 5, dtype=torch.float32, device=dev)
-    part_arg = torch.empty(B * K1 * S, dtype=torch.int64, device=dev)
+    part = torch.empty(B * K1 * S * 7, dtype=torch.float32, device=dev)
+    part_sum = torch.empty(B * K1 * S, dtype=torch.float64, device=dev)
+    part_arg = torch.empty(B * K1 * S * 2, dtype=torch.int64, device=dev)
     sampling = temperature > 0
+    has_draft = draft_logits is not None
+    ranked = rule.name == "topk"
     if B * K1:
         _split_stats_kernel[(B * K1, S)](
-            logits, part, part_arg, V, split_len, S, float(temperature) if sampling else 1.0,
-            SCALED=sampling, BLOCK_V=block_v,
+            logits, draft_logits.contiguous() if has_draft else logits, drafts, part, part_sum, part_arg, K, V,
+            split_len, S,
+            float(temperature) if sampling else 1.0, SCALED=sampling, HAS_DRAFT=has_draft, RANKED=ranked,
+            BLOCK_V=block_v,
         )
     has_clf = classifier is not None
     dummy = part  # a valid pointer for arguments a specialization never reads
@@ -429,13 +515,14 @@ def verify_block_triton(
     row_ms = torch.empty(B * 2 if sampling else 1, dtype=torch.float32, device=dev)
     done = torch.empty(B if sampling else 1, dtype=torch.int32, device=dev)
     _accept_kernel[(B,)](
-        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_arg, row_ms, done,
+        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_sum, part_arg, row_ms, done,
         out.entropy, out.top3_entropy, out.argmax, out.token_prob,
-        out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token,
+        out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token, out.divergence,
         K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
         float(rule.b), int(rule.b) if rule.name == "fly" else 0,
         num_drafts.contiguous() if num_drafts is not None else dummy,
-        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, **launch_config(K, V, H, D, S),
+        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, HAS_DRAFT=has_draft,
+        **launch_config(K, V, H, D, S),
     )
     if sampling and B:
         S_d, len_d = split_plan(B, V, sm_count(dev), splits)  # B positions: one per row

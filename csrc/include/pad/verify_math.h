@@ -53,16 +53,48 @@ PAD_HD float exp_nonpositive(float x) {
   return x == -INFINITY ? 0.0f : (x != x ? x : e);
 }
 
-// Online softmax state of one position's (temperature-scaled) logits x_v.
+// Online softmax state of one position's (temperature-scaled) logits x_v, and, when the draft's logits y_v
+// of the position are read in the same pass, the draft's softmax and the cross term of KL(p || q).
 struct RowStats {
   double sum;      // sum of exp(x - max); fp64, as the CPU's chunk sums: a tree of fp32 adds near 1 lost 2 ulps of p
+  double draft_sum;  // sum of exp(y - draft_max)
   int64_t argmax;  // lowest index attaining max (-1 while empty)
+  int64_t above;   // tokens ranked above the draft token: x > x_d, or x == x_d at a lower index (topk)
   float max;       // running max of x
   float sum_dexp;  // sum of exp(x - max) * (x - max) over finite x (<= 0): entropy = log(sum) - sum_dexp / sum
   float second, third;  // the next two largest x (a tie with max counts as one of them); -inf while absent
+  float draft_max;  // running max of y
+  float cross;      // sum of exp(x - max) * (x - y) over finite x: KL(p || q) = cross / sum - lse(x) + lse(y)
 };
 
-PAD_HD RowStats row_empty() { return RowStats{0.0, -1, -INFINITY, 0.0f, -INFINITY, -INFINITY}; }
+PAD_HD RowStats row_empty() {
+  return RowStats{0.0, 0.0, -1, 0, -INFINITY, 0.0f, -INFINITY, -INFINITY, -INFINITY, 0.0f};
+}
+
+// One term of the cross sum: e = exp(x - max) of a logit x, y the draft's logit there (x - y is +inf where
+// the draft gives no mass and the target does, making the divergence +inf as in the reference).
+PAD_HD float cross_term(float x, float y, float e) {
+  if (x == -INFINITY) return 0.0f;
+  return y == -INFINITY ? INFINITY : e * (x - y);
+}
+
+// Whether token v with logit x ranks above the draft token d with logit x_d (the argmax's tie rule).
+PAD_HD bool ranks_above(float x, int64_t v, float x_d, int64_t d) { return x > x_d || (x == x_d && v < d); }
+
+// Add exp(y - draft_max) of one draft logit to the draft's online softmax, raising the max first if needed.
+PAD_HD void draft_push(RowStats& s, float y) {
+  if (y > s.draft_max) {
+    s.draft_sum = s.draft_max == -INFINITY ? 0.0 : s.draft_sum * exp_nonpositive(s.draft_max - y);
+    s.draft_max = y;
+  }
+  s.draft_sum += exp_nonpositive(y == -INFINITY ? -INFINITY : y - s.draft_max);
+}
+
+// KL(p || q) of the position from a state that read both the target's and the draft's logits.
+PAD_HD float row_divergence(const RowStats& s) {
+  const float sum = static_cast<float>(s.sum);
+  return s.cross / sum - (s.max + logf(sum)) + (s.draft_max + logf(static_cast<float>(s.draft_sum)));
+}
 
 // Keep the three largest of (top0 >= top1 >= top2) and x; NaN never enters.
 PAD_HD void top3_push(float& top0, float& top1, float& top2, float x) {
@@ -85,11 +117,13 @@ PAD_HD void row_rescale(RowStats& s, float new_max) {
   if (s.max == -INFINITY) {
     s.sum *= 0.0f;
     s.sum_dexp *= 0.0f;
+    s.cross *= 0.0f;
   } else {
     const float delta = new_max - s.max;  // every x - max term shrinks by delta
     const float scale = exp_nonpositive(-delta);
     s.sum_dexp = scale * (s.sum_dexp - delta * static_cast<float>(s.sum));
     s.sum *= scale;
+    s.cross *= scale;
   }
   s.max = new_max;
 }
@@ -108,7 +142,12 @@ PAD_HD RowStats row_merge(RowStats a, RowStats b) {
   top3_push(top0, top1, top2, b.third);
   row_rescale(a, m);
   row_rescale(b, m);
-  return RowStats{a.sum + b.sum, arg, m, a.sum_dexp + b.sum_dexp, top1, top2};
+  // The draft's softmax states against the larger of their maxima (an empty one holds no mass).
+  const float dm = fmaxf(a.draft_max, b.draft_max);
+  const double da = a.draft_max == -INFINITY ? 0.0 : a.draft_sum * exp_nonpositive(a.draft_max - dm);
+  const double db = b.draft_max == -INFINITY ? 0.0 : b.draft_sum * exp_nonpositive(b.draft_max - dm);
+  return RowStats{a.sum + b.sum, da + db, arg, a.above + b.above, m, a.sum_dexp + b.sum_dexp, top1, top2, dm,
+                  a.cross + b.cross};
 }
 
 // Natural-log entropy; non-finite when the logits were (a row of only -inf gives -inf, as the reference).
@@ -163,17 +202,26 @@ PAD_HD float pivot_prob(Load h_at, int64_t H, const float* f, int F, const float
 }
 
 // Training-free relaxations of the exact rule (pad_kernels.AcceptRule; codes are RULES' order there).
-enum RuleKind : int { kRuleExact = 0, kRuleTypical = 1, kRuleThreshold = 2, kRuleFly = 3 };
+enum RuleKind : int { kRuleExact = 0, kRuleTypical = 1, kRuleThreshold = 2, kRuleFly = 3, kRuleKl = 4, kRuleTopk = 5 };
 
 struct Rule {
   int kind;
-  float a, b;  // typical: epsilon, delta; threshold: tau; fly: gate, window
+  float a, b;  // typical: epsilon, delta; threshold: tau; fly: gate, window; kl: epsilon, top1; topk: k, delta
 };
 
-// Typical or threshold acceptance of a token the exact rule rejected (fly is decided over the row).
-PAD_HD bool rule_override(const Rule& r, float p_draft, float entropy) {
-  if (r.kind == kRuleTypical) return p_draft > fminf(r.a, r.b * expf(-entropy));
+// What a rule reads of one position besides p(d): the entropy, max p, KL(p || q) and d's rank in p.
+struct PositionView {
+  float entropy, top_prob, divergence;
+  int64_t rank;
+};
+
+// Typical, threshold, kl or topk acceptance of a token the exact rule rejected (fly is decided over the
+// row). A NaN p(d) (a draft id outside the vocabulary) is never accepted.
+PAD_HD bool rule_override(const Rule& r, float p_draft, const PositionView& v) {
+  if (r.kind == kRuleTypical) return p_draft > fminf(r.a, r.b * expf(-v.entropy));
   if (r.kind == kRuleThreshold) return p_draft >= r.a;
+  if (r.kind == kRuleKl) return v.divergence <= r.a && v.top_prob < r.b && p_draft == p_draft;
+  if (r.kind == kRuleTopk) return (float)v.rank < r.a && p_draft >= v.top_prob - r.b;
   return false;
 }
 
@@ -205,21 +253,22 @@ PAD_HD bool fly_window_matches(int64_t b, int64_t i, int64_t K, int64_t k_row, i
 }
 
 // The accepted prefix of row b: writes accepted / pivot_accepted [K] of the row, returns how many.
-// Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms [B, K]; argmax, entropy,
-// top3_entropy [B, K+1]; draft_probs [B, K, V], read only when sampling).
+// Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms, divergence [B, K]; argmax,
+// entropy, top3_entropy, stats [B, K+1]; draft_probs [B, K, V], read only when sampling).
 PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts, const int64_t* argmax,
                           const float* token_prob, const float* pivot_prob, const float* draft_probs,
                           const float* uniforms, bool sampling, bool has_classifier, float sigma, float floor_,
-                          const Rule& rule, const float* entropy, const float* top3_entropy, int64_t k_row,
-                          bool* accepted, bool* pivot_accepted) {
+                          const Rule& rule, const float* entropy, const float* top3_entropy, const RowStats* stats,
+                          const float* divergence, int64_t k_row, bool* accepted, bool* pivot_accepted) {
   int64_t n = 0;
   bool open = true;
   for (int64_t i = 0; i < K; ++i) {
     const int64_t j = b * K + i, d = drafts[j], at = b * (K + 1) + i;
     const float q = sampling && in_vocab(d, V) ? draft_probs[j * V + d] : 0.0f;
     const bool exact = exact_accept(sampling, d, argmax[at], sampling ? uniforms[j] : 0.0f, q, token_prob[j]);
+    const PositionView view{entropy[at], row_prob(stats[at], stats[at].max), divergence[j], stats[at].above};
     const bool relaxed = pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]) ||
-                         rule_override(rule, token_prob[j], entropy[at]) ||
+                         rule_override(rule, token_prob[j], view) ||
                          (rule.kind == kRuleFly && in_vocab(d, V) && top3_entropy[at] >= rule.a &&
                           fly_window_matches(b, i, K, k_row, (int64_t)rule.b, drafts, argmax));
     open = open && i < k_row && (exact || relaxed);
@@ -283,12 +332,17 @@ PAD_HD Slice vocab_slice(int64_t sp, int64_t split_len, int64_t V) {
 // rounds; one per logit cost the GPU path 4 ulps of p_target), and kGroup loads are in flight at once.
 constexpr int kGroup = 8;
 
-template <typename Load>
-PAD_HD RowStats thread_row_stats(Load x_at, Slice s, int64_t t, int64_t T) {
+// With the draft's logits (y_at, has_draft) the same pass adds the draft's softmax and the cross term of
+// the divergence; with a draft token d >= 0 (logit x_d) it counts the tokens ranked above it.
+template <typename Load, typename DraftLoad>
+PAD_HD RowStats thread_row_stats(Load x_at, DraftLoad y_at, bool has_draft, int64_t d, float x_d, Slice s, int64_t t,
+                                 int64_t T) {
   RowStats r = row_empty();
   for (int64_t v0 = s.lo + t; v0 < s.hi; v0 += kGroup * T) {
     float x[kGroup];
     for (int g = 0; g < kGroup; ++g) x[g] = v0 + g * T < s.hi ? x_at(v0 + g * T) : -INFINITY;
+    if (d >= 0)
+      for (int g = 0; g < kGroup; ++g) r.above += v0 + g * T < s.hi && ranks_above(x[g], v0 + g * T, x_d, d);
     float top0 = r.max, gmax = -INFINITY;
     int64_t garg = -1;
     for (int g = 0; g < kGroup; ++g) {
@@ -310,6 +364,11 @@ PAD_HD RowStats thread_row_stats(Load x_at, Slice s, int64_t t, int64_t T) {
       const float e = exp_nonpositive(x[g] == -INFINITY ? -INFINITY : x[g] - r.max);
       r.sum += e;
       r.sum_dexp += x[g] == -INFINITY ? 0.0f : e * (x[g] - r.max);
+      if (has_draft && v0 + g * T < s.hi) {
+        const float y = y_at(v0 + g * T);
+        r.cross += cross_term(x[g], y, e);
+        draft_push(r, y);
+      }
     }
   }
   return r;
