@@ -14,6 +14,7 @@ def test_absent_means_not_configured():
 @pytest.mark.parametrize("policy,rule,sigma", [("threshold@0.2", ("threshold", 0.2, 0.0), None),
                                                ("typical", ("typical", 0.09, 0.3), None),
                                                ("fly@0.4,3", ("fly", 0.4, 3.0), None),
+                                               ("topk@3,0.1", ("topk", 3.0, 0.1), None),
                                                ("pivot@0.2", ("exact", 0.0, 0.0), 0.2),
                                                ("pivot", ("exact", 0.0, 0.0), DEFAULT_SIGMA),
                                                ("exact", ("exact", 0.0, 0.0), None)])
@@ -35,6 +36,7 @@ def test_policies_parse_in_pads_grammar(policy, rule, sigma):
     ({"policy": "threshold@1.5"}, "tau"),
     ({"policy": "banana"}, "unknown policy"),
     ({"policy": "threshold@0.2", "floor": 2}, "floor"),
+    ({"policy": "kl@0.5"}, "draft's logits"),
 ])
 def test_bad_configuration_is_refused(entry, message):
     with pytest.raises(ValueError, match=message):
