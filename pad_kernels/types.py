@@ -104,7 +104,7 @@ class VerifyResult(NamedTuple):
     num_accepted: torch.Tensor  # [B] int64
     next_token: torch.Tensor  # [B] int64, correction token, or bonus token when all K are accepted
     top3_entropy: torch.Tensor  # [B, K+1] fp32, -sum p log p over the 3 most likely tokens (full softmax)
-    divergence: torch.Tensor  # [B, K] fp32, KL(p || q) of target and draft at each draft position; -1 without draft_logits
+    divergence: torch.Tensor  # [B, K] fp32, KL(p || q) of target and draft per draft position; -1 without draft_logits
 
 
 def empty_result(B: int, K: int, device) -> VerifyResult:

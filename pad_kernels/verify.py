@@ -193,8 +193,9 @@ def verify_block(
     ``classifier=None`` means no pivot override (``pivot_prob`` is 1.0). ``rule`` adds a training-free
     relaxation (``AcceptRule``: typical, threshold, fly, kl, topk); a token is accepted when the exact rule,
     the classifier or the rule accepts it. ``draft_logits``: the draft's logits at the K drafted positions,
-    from which ``divergence`` (KL(p || q)) is computed in the same pass; the kl rule needs them. ``num_drafts``: rows that stopped drafting early (positions from
-    ``num_drafts[b]`` on are padding, never accepted; the token after a row's last draft is its bonus).
+    from which ``divergence`` (KL(p || q)) is computed in the same pass; the kl rule needs them.
+    ``num_drafts``: rows that stopped drafting early (positions from ``num_drafts[b]`` on are padding, never
+    accepted; the token after a row's last draft is its bonus).
     ``K = 0`` is allowed: it only picks the next token (autoregressive decoding). ``out``: caller-owned
     outputs to write (contiguous, the shapes and dtypes of ``VerifyResult`` on the logits' device), or a
     ``Workspace`` to take them from; nothing is allocated for the outputs then.

@@ -17,7 +17,8 @@ def test_grammar_and_defaults():
     assert parse_policy("typical@0.2,0.5").rule == AcceptRule.typical(0.2, 0.5)
     assert parse_policy("threshold@0.5").rule == AcceptRule.threshold(0.5)
     assert parse_policy("fly").rule == AcceptRule.fly(0.3, 6) and parse_policy("fly@0.5,4").rule == AcceptRule.fly(0.5, 4)
-    assert parse_policy("kl@0.5").rule == AcceptRule.kl(0.5, 1.0) and parse_policy("kl@0.5,0.9").rule == AcceptRule.kl(0.5, 0.9)
+    assert parse_policy("kl@0.5").rule == AcceptRule.kl(0.5, 1.0)
+    assert parse_policy("kl@0.5,0.9").rule == AcceptRule.kl(0.5, 0.9)
     assert parse_policy("topk@3,0.1").rule == AcceptRule.topk(3, 0.1)
     for spec in ("typical@0.2,0.5", "threshold@0.5", "fly@0.5,4", "kl@0.5,0.9", "topk@3,0.1", "pivot@0.3", "target"):
         assert str(parse_policy(spec)) == spec and parse_policy(str(parse_policy(spec))) == parse_policy(spec)

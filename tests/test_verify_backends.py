@@ -206,7 +206,8 @@ def test_registered_op_passes_opcheck(backend, temperature):
     args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3, draft_logits=True)
     logits, drafts, hidden, clf = args
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
-    for rule, num_drafts, draft_logits in ((AcceptRule(), None, None), (AcceptRule.typical(), torch.tensor([3, 1]), None),
+    for rule, num_drafts, draft_logits in ((AcceptRule(), None, None),
+                                           (AcceptRule.typical(), torch.tensor([3, 1]), None),
                                            (AcceptRule.threshold(0.2), None, None),
                                            (AcceptRule.kl(0.5), None, kwargs["draft_logits"]),
                                            (AcceptRule.topk(2, 0.1), torch.tensor([3, 1]), None)):
@@ -293,7 +294,8 @@ EXACT_SAMPLING_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.kl(
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED])
-@pytest.mark.parametrize("rule,sampling", [(r, False) for r in EXACT_SETTINGS] + [(r, True) for r in EXACT_SAMPLING_SETTINGS],
+@pytest.mark.parametrize("rule,sampling",
+                         [(r, False) for r in EXACT_SETTINGS] + [(r, True) for r in EXACT_SAMPLING_SETTINGS],
                          ids=lambda v: f"{v.name}@{v.a:g},{v.b:g}" if isinstance(v, AcceptRule) else str(v))
 def test_each_rule_has_a_setting_that_equals_exact(backend, rule, sampling):
     from pad_kernels import verify_block

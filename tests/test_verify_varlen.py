@@ -92,8 +92,10 @@ def test_reference_is_each_request_alone():
     logits, drafts, hidden, clf, kwargs = make_packed(counts, 50, 8, False, 11)
     q = kwargs.pop("draft_logits")
     got = verify_block_varlen_ref(logits, drafts, counts, hidden, clf, **kwargs, draft_logits=q)
-    first = verify_block_ref(logits[None, :3], drafts[None, :2], hidden[None, :3], clf, **kwargs, draft_logits=q[None, :2])
-    second = verify_block_ref(logits[None, 3:], drafts[None, 2:], hidden[None, 3:], clf, **kwargs, draft_logits=q[None, 2:])
+    first = verify_block_ref(logits[None, :3], drafts[None, :2], hidden[None, :3], clf, **kwargs,
+                             draft_logits=q[None, :2])
+    second = verify_block_ref(logits[None, 3:], drafts[None, 2:], hidden[None, 3:], clf, **kwargs,
+                              draft_logits=q[None, 2:])
     assert torch.equal(got.divergence, torch.cat([first.divergence[0], second.divergence[0]]))
     assert got.num_accepted.tolist() == [int(first.num_accepted), int(second.num_accepted)]
     assert got.next_token.tolist() == [int(first.next_token), int(second.next_token)]

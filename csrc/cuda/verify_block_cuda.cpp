@@ -29,7 +29,8 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
                            const c10::optional<at::Tensor>& draft_logits, at::Tensor& entropy, at::Tensor& token_prob,
                            at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
                            at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy,
-                           at::Tensor& divergence, int64_t splits, int64_t split_len, int64_t race_splits, int64_t race_split_len) {
+                           at::Tensor& divergence, int64_t splits, int64_t split_len, int64_t race_splits,
+                           int64_t race_split_len) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 3 && logits.is_contiguous(),
               "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] on a CUDA device");
   const c10::cuda::CUDAGuard guard(logits.device());

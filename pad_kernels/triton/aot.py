@@ -65,7 +65,8 @@ def jobs():
     for dname, dptr in DTYPES.items():
         for scaled, has_draft, ranked in itertools.product((False, True), repeat=3):
             sig = dict(logits_ptr=dptr, draft_logits_ptr=dptr, drafts_ptr="*i64", part_ptr="*fp32",
-                       part_sum_ptr="*fp64", part_arg_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32", temperature="fp32")
+                       part_sum_ptr="*fp64", part_arg_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32",
+                       temperature="fp32")
             yield (f"_split_stats_kernel[{dname}, SCALED={scaled}, HAS_DRAFT={has_draft}, RANKED={ranked}]",
                    _split_stats_kernel, sig, dict(SCALED=scaled, HAS_DRAFT=has_draft, RANKED=ranked, BLOCK_V=block_v))
         for has_nd in (False, True):
@@ -85,11 +86,13 @@ def jobs():
                 continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
                        w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
-                       exponentials_ptr="*fp32", part_ptr="*fp32", part_sum_ptr="*fp64", part_arg_ptr="*i64", row_ms_ptr="*fp32",
+                       exponentials_ptr="*fp32", part_ptr="*fp32", part_sum_ptr="*fp64", part_arg_ptr="*i64",
+                       row_ms_ptr="*fp32",
                        done_ptr="*i32", entropy_ptr="*fp32",
                        top3_ptr="*fp32", argmax_ptr="*i64", token_prob_ptr="*fp32", pivot_prob_ptr="*fp32",
                        accepted_ptr="*i1", pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64",
-                       divergence_ptr="*fp32", K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32", temperature="fp32",
+                       divergence_ptr="*fp32", K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32",
+                       temperature="fp32",
                        rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64")
             yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
                    f"RULE={RULES[rule]}, HAS_DRAFT={has_draft}]",
