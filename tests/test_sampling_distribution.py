@@ -10,7 +10,7 @@ from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 import pad
 import pad_kernels.verify_ref as ref
-from pad_kernels import verify_block
+from pad_kernels import AcceptRule, verify_block
 from tiny import tiny_model
 
 ALPHA = 1e-3  # a correct sampler fails one check in a thousand runs; the wrong residual gives p < 1e-20
@@ -33,8 +33,9 @@ def _wrong_residual(p, q):
     return p
 
 
-def _first_two_tokens_of_block(rows: int, seed: int):
-    """Run one verification block on ``rows`` independent rows with fixed target and draft distributions.
+def _first_two_tokens_of_block(rows: int, seed: int, rule=AcceptRule(), with_draft_logits=False):
+    """Run one verification block on ``rows`` independent rows with fixed target and draft distributions
+    (``with_draft_logits``: the draft's logits passed to the op too, which then also computes the divergence).
 
     Returns (counts of the first emitted token [V], counts of the second given the first was a draft
     token [V], p_1 [V], p_2 [V]).
@@ -42,14 +43,16 @@ def _first_two_tokens_of_block(rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     K, V, T = 3, 8, 0.7
     logits = torch.randn(K + 1, V, generator=g) * 2
-    q = torch.softmax(torch.randn(K, V, generator=g) * 2, -1)  # far from p, so rejections are common
+    draft_logits = torch.randn(K, V, generator=g) * 2 * T
+    q = torch.softmax(draft_logits / T, -1)  # far from p, so rejections are common
     target_logits = logits.expand(rows, K + 1, V).contiguous()
     draft_probs = q.expand(rows, K, V).contiguous()
     draft_tokens = torch.multinomial(q, rows, replacement=True, generator=g).t().contiguous()  # [rows, K]
     uniforms = torch.rand(rows, K, generator=g)
     exponentials = torch.empty(rows, V).exponential_(generator=g)
-    res = verify_block(target_logits, draft_tokens, temperature=T, draft_probs=draft_probs,
-                       uniforms=uniforms, exponentials=exponentials, backend="torch")
+    extra = dict(draft_logits=draft_logits.expand(rows, K, V).contiguous()) if with_draft_logits else {}
+    res = verify_block(target_logits, draft_tokens, temperature=T, draft_probs=draft_probs, rule=rule,
+                       uniforms=uniforms, exponentials=exponentials, backend="torch", **extra)
     n = res.num_accepted
     first = torch.where(n >= 1, draft_tokens[:, 0], res.next_token)
     second = torch.where(n >= 2, draft_tokens[:, 1], res.next_token)[n >= 1]
@@ -57,13 +60,20 @@ def _first_two_tokens_of_block(rows: int, seed: int):
     return torch.bincount(first, minlength=V), torch.bincount(second, minlength=V), p[0], p[1]
 
 
+# exact, exact with the draft's logits passed to the op as well, and the divergence rules at their exact-equal
+# settings (which read the draft's logits or the target's ranks and must then still never relax).
+CASES = [(AcceptRule(), False), (AcceptRule(), True), (AcceptRule.kl(float("inf"), 0.0), True),
+         (AcceptRule.topk(0, 1.0), False)]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_block_acceptance_and_residual_are_lossless(seed, monkeypatch):
-    c1, c2, p1, p2 = _first_two_tokens_of_block(40_000, seed)
+@pytest.mark.parametrize("rule,with_draft_logits", CASES, ids=["exact", "exact-draft-logits", "kl", "topk"])
+def test_block_acceptance_and_residual_are_lossless(seed, rule, with_draft_logits, monkeypatch):
+    c1, c2, p1, p2 = _first_two_tokens_of_block(40_000, seed, rule, with_draft_logits)
     assert _p_value(c1, p1) > ALPHA
     assert _p_value(c2, p2) > ALPHA
     monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
-    c1, _, p1, _ = _first_two_tokens_of_block(40_000, seed)
+    c1, _, p1, _ = _first_two_tokens_of_block(40_000, seed, rule, with_draft_logits)
     assert _p_value(c1, p1) < ALPHA
 
 
