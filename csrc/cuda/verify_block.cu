@@ -1,7 +1,8 @@
 // CUDA backend of pad_kernels.verify_block, free of torch headers (plain nvcc compiles it in seconds).
 // Kernel 1, grid (row x position, S): each thread block scans one of S slices of the vocabulary with the
 // online softmax of pad/verify_math.h (flash-decoding's split: at B = 1 the K + 1 positions alone would
-// leave most of a GPU idle) and writes the slice's state. Kernel 2, one thread block per row: merges the S
+// leave most of a GPU idle) and writes the slice's state (with the draft's logits also the draft's softmax
+// and the cross term of KL(p || q); for topk the count of tokens ranked above the draft token). Kernel 2, one thread block per row: merges the S
 // states of each position exactly (ties keep the lowest index), the folded classifier as a tiled product
 // over the row's positions (each W1 weight read once per 16 positions), and the accepted prefix. Kernel 3
 // (sampling only), grid (row, S): the exponential race over the residual at the row's first rejection,
