@@ -69,7 +69,7 @@ def rule_override(rule: AcceptRule, token_prob: torch.Tensor, entropy: torch.Ten
                   divergence: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """Per position, the typical, threshold, kl and topk rules' acceptance of a token the exact rule rejects
     (fly is decided over the row: ``fly_accepts``). All [B, K]: token_prob p(d), entropy, top_prob max p,
-    divergence KL(p || q), rank of d in p (``target_rank``) -> bool [B, K]."""
+    divergence KL(p || q), rank of d in p (``target_rank``; None unless topk) -> bool [B, K]."""
     if rule.name == "typical":
         return token_prob > torch.clamp(rule.b * torch.exp(-entropy), max=rule.a)
     if rule.name == "threshold":
@@ -162,7 +162,8 @@ def verify_block_ref(
     else:
         divergence = torch.full_like(token_prob, -1.0)
     top_prob = probs[:, :K].gather(-1, argmax[:, :K, None]).squeeze(-1)  # [B, K]
-    rank = target_rank(logits[:, :K], draft_tokens.clamp(0, V - 1))
+    # Only topk reads the rank: the comparison over [B, K, V] is skipped for the other rules.
+    rank = target_rank(logits[:, :K], draft_tokens.clamp(0, V - 1)) if rule.name == "topk" else None
     override = override | rule_override(rule, token_prob, entropy[:, :K], top_prob, divergence, rank)
     if rule.name == "fly":
         override = override | (fly_accepts(rule, exact_ok, top3_entropy[:, :K], num_drafts) & valid)

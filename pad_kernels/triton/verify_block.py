@@ -48,14 +48,15 @@ def _plogp(t, m, log_sum):
 
 
 @triton.jit
-def _rescaled(m, s, sd, new_m):
-    """(sum, entropy sum) of a state with max m, expressed against the larger max new_m; a state whose max
-    is -inf holds no mass (NaN is kept alive via * 0)."""
+def _rescaled(m, s, sd, cr, new_m):
+    """(sum, entropy sum, cross term of the divergence) of a state with max m, expressed against the larger
+    max new_m; a state whose max is -inf holds no mass (NaN is kept alive via * 0)."""
     delta = tl.where(m == float("-inf"), 0.0, new_m - m)
     scale = tl.exp(-delta)
     sd = tl.where(m == float("-inf"), sd * 0.0, tl.where(delta == 0, sd, scale * (sd - delta * s.to(tl.float32))))
     s = tl.where(m == float("-inf"), s * 0.0, tl.where(delta == 0, s, s * scale))
-    return s, sd
+    cr = tl.where(m == float("-inf"), cr * 0.0, tl.where(delta == 0, cr, cr * scale))
+    return s, sd, cr
 
 
 @triton.jit
@@ -125,8 +126,7 @@ def _split_stats_kernel(
         t0, t1, t2 = _top3_insert(t0, t1, t2, c2)
         new_m = tl.maximum(m, cm)
         arg = tl.where((cm > m) | (arg < 0), ca, arg)
-        cross = tl.where(m == float("-inf"), cross * 0.0, tl.where(new_m == m, cross, cross * tl.exp(m - new_m)))
-        s, sd = _rescaled(m, s, sd, new_m)
+        s, sd, cross = _rescaled(m, s, sd, cross, new_m)
         m = new_m
         none = x == float("-inf")
         dx = tl.where(none, 0.0, x - m)
@@ -171,11 +171,8 @@ def _merge(m, s, sd, t1, t2, dm, ds, cr, arg, ab, pm, ps, psd, p1, p2, pdm, pds,
     new_m = tl.maximum(m, pm)
     # A state with arg -1 is empty (padding of the reduction): it never wins.
     arg = tl.where((pa >= 0) & ((arg < 0) | (pm > m) | ((pm == m) & (pa < arg))), pa, arg)
-    # The cross terms scale with the target's max, as the sums do.
-    cra = tl.where(m == float("-inf"), cr * 0.0, tl.where(new_m == m, cr, cr * tl.exp(m - new_m)))
-    crb = tl.where(pm == float("-inf"), pcr * 0.0, tl.where(new_m == pm, pcr, pcr * tl.exp(pm - new_m)))
-    sa, sda = _rescaled(m, s, sd, new_m)
-    sb, sdb = _rescaled(pm, ps, psd, new_m)
+    sa, sda, cra = _rescaled(m, s, sd, cr, new_m)
+    sb, sdb, crb = _rescaled(pm, ps, psd, pcr, new_m)
     new_dm = tl.maximum(dm, pdm)
     dsum = _draft_rescaled(dm, ds, new_dm) + _draft_rescaled(pdm, pds, new_dm)
     return new_m, sa + sb, sda + sdb, t1, t2, new_dm, dsum, cra + crb, arg, ab + pab
