@@ -11,6 +11,11 @@ first ``--limit`` problems under the current decode path, the given dtype, token
 fixed draft length (no ``--draft-stop``) and, for pivot policies, the classifier given (default: the shipped
 one); the rest are named as incomplete.
 The target, draft and hf-target do not depend on K: their runs are taken from whichever log has them.
+
+Sampled runs (``pad-decoding bench --temperature T --seed S``) make their own table with ``--temperature T
+--seeds 0,1,2``: a policy is listed when it has every problem at every seed; its accuracy is the mean over the
+seeds, and its difference from the reference (default exact, the lossless one when sampling) takes the t
+interval over problems of each problem's share of right answers (its seeds pooled).
 """
 from __future__ import annotations
 
@@ -25,20 +30,24 @@ K_FREE = ("target", "draft", "hf-target")
 
 
 def collect(records: list[dict], problems: list[str], *, dtype: str, max_new_tokens: int, batch_size: int,
-            classifier: str | None) -> tuple[dict, dict, set]:
-    """-> ({(label, k): {problem: record}} of the complete groups, {label: problems found} of the others,
-    machine lines). A group is a policy at one K (K-free policies: one group)."""
-    wanted = set(problems)
-    groups: dict[tuple[str, int | None], dict[str, dict]] = {}
+            classifier: str | None, sampling: tuple[float, float] | None = None,
+            seeds: tuple[int, ...] = (None,)) -> tuple[dict, dict, set]:
+    """-> ({(label, k): {(problem, seed): record}} of the complete groups, {label: runs found} of the others,
+    machine lines). A group is a policy at one K (K-free policies: one group). Greedy runs (``sampling``
+    None, seed None) or the runs sampled at ``sampling`` = (temperature, top_p) with each of ``seeds``."""
+    wanted = {(p, seed) for p in problems for seed in seeds}
+    groups: dict[tuple[str, int | None], dict[tuple, dict]] = {}
     for r in records:
         s = r["settings"]
-        if (r["problem"] not in wanted or s.get("decode") != DECODE_VERSION or s.get("dtype") != dtype
+        how = None if "temperature" not in s else (s["temperature"], s["top_p"])
+        run = (r["problem"], s.get("seed"))
+        if (run not in wanted or how != sampling or s.get("decode") != DECODE_VERSION or s.get("dtype") != dtype
                 or s.get("max_new_tokens") != max_new_tokens or "draft_stop" in s
                 or s.get("batch_size") != (1 if r["policy"] == "hf-assisted" else batch_size)
                 or (r["policy"].startswith("pivot") and s.get("classifier") != classifier)):
             continue
         key = (r["policy"], None if r["policy"] in K_FREE else s["k"])
-        groups.setdefault(key, {}).setdefault(r["problem"], r)  # the first run of a problem counts
+        groups.setdefault(key, {}).setdefault(run, r)  # the first run of a problem (and seed) counts
     complete = {key: runs for key, runs in groups.items() if len(runs) == len(wanted)}
     partial = {_label(*key): len(runs) for key, runs in groups.items() if key not in complete}
     weights = {repr(r["settings"].get("weights")) for runs in complete.values() for r in runs.values()}
@@ -52,17 +61,21 @@ def _label(policy: str, k: int | None) -> str:
     return policy if k is None else f"{policy} K={k}"
 
 
-def frontier_rows(complete: dict, problems: list[str]) -> list[dict]:
-    """One ``bench.summary_rows`` row per group, target first, then by K and the order of the logs."""
+def frontier_rows(complete: dict, problems: list[str], seeds: tuple = (None,), reference: str = "target") -> list[dict]:
+    """One ``bench.summary_rows`` row per group, target first, then by K and the order of the logs; each row
+    pools its runs over ``seeds``, and with several seeds a problem's outcome is its share of right answers
+    (the accuracy differences then take the t interval over problems). Differences are against ``reference``."""
     order = sorted(complete, key=lambda key: (key[0] != "target", key[1] or 0))
     totals, correct = {}, {}
     for key in order:
         name = _label(*key)
         t = totals[name] = bench.PolicyTotals()
         for p in problems:
-            t.add(complete[key][p])
-        correct[name] = [bool(complete[key][p]["correct"]) for p in problems]
-    return bench.summary_rows(totals, correct)
+            for seed in seeds:
+                t.add(complete[key][p, seed])
+        outcomes = [[bool(complete[key][p, seed]["correct"]) for seed in seeds] for p in problems]
+        correct[name] = [o[0] if len(seeds) == 1 else sum(o) / len(o) for o in outcomes]
+    return bench.summary_rows(totals, correct, reference)
 
 
 def main(argv=None) -> int:
@@ -77,6 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--classifier", help="checksum of the pivot policies' classifier (default: the shipped one)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the sampled runs at this temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seeds", default="0", help="with --temperature: the seeds pooled (comma-separated)")
+    ap.add_argument("--reference", default=None, help="the policy the accuracy differences are against (default: "
+                                                      "target when greedy, exact when sampling)")
     ap.add_argument("--out", type=Path, help="folder for the table (.md, .csv) and the figure (.png)")
     ap.add_argument("--stem", help="file name stem (default: <task>_<split>_<limit>_frontier_<dtype>; with "
                     "--start, <start>-<last> in place of <limit>)")
@@ -95,25 +113,40 @@ def main(argv=None) -> int:
     if not problems:
         ap.error(f"the {task} {args.split} data has no problems from index {args.start} on")
     span = f"{args.start}-{args.start + len(problems) - 1}"
+    sampling = (args.temperature, args.top_p) if args.temperature > 0 else None
+    seeds = tuple(int(s) for s in args.seeds.split(",")) if sampling else (None,)
+    reference = args.reference or ("exact" if sampling else "target")
     try:
         complete, partial, machines = collect(records, problems, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                                              batch_size=args.batch_size, classifier=classifier)
+                                              batch_size=args.batch_size, classifier=classifier, sampling=sampling,
+                                              seeds=seeds)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not complete:
         print(f"no policy has runs of all {len(problems)} problems in these logs; found: {partial}", file=sys.stderr)
         return 1
-    rows = frontier_rows(complete, problems)
+    # The reference by its row label ("exact K=8") or its policy, when that is at one K only.
+    matches = [_label(*key) for key in complete if reference in (key[0], _label(*key))]
+    if len(matches) != 1:
+        print(f"the reference {reference} names {len(matches)} complete rows ({', '.join(matches) or 'none'}): "
+              "give one row's label", file=sys.stderr)
+        return 1
+    reference = matches[0]
+    rows = frontier_rows(complete, problems, seeds, reference)
     command = "python bench/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    how = (f"sampled at temperature {args.temperature:g}, top-p {args.top_p:g}, seeds {args.seeds} (fly is greedy "
+           "by definition: no row)" if sampling else "greedy")
     header = (f"{task} {args.split}, problems {span}, {args.dtype}, max {args.max_new_tokens} new "
-              f"tokens, greedy, batches of {args.batch_size}; pivot classifier {classifier}\n\n"
+              f"tokens, {how}, batches of {args.batch_size}; pivot classifier {classifier}\n\n"
               f"Command: `{command}`\n\nMachines: " + "; ".join(sorted(machines)))
     if partial:
-        header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{len(problems)})" for k, n in partial.items())
+        header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{len(problems) * len(seeds)})"
+                                                          for k, n in partial.items())
     print(bench.markdown(rows, header))
     if args.out:
-        stem = args.stem or f"{task}_{args.split}_{span if args.start else len(problems)}_frontier_{args.dtype}"
+        stem = args.stem or (f"{task}_{args.split}_{span if args.start else len(problems)}_frontier_{args.dtype}"
+                             + (f"_t{args.temperature:g}" if sampling else ""))
         for path in bench.write(rows, args.out, stem, header, plot=True):
             print(f"wrote {path}")
     return 0

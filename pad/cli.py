@@ -125,6 +125,8 @@ def _bench(args) -> int:
     from .models.registry import load_tokenizer
 
     specs = bench.parse_policies(args.policies)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("--temperature must be at least 0 and --top-p in (0, 1]")
     tasks.check_task(args.task)
     data = tasks.data_path(args.task, args.split, args.data)
     if not 0 <= args.start < args.limit:
@@ -142,22 +144,27 @@ def _bench(args) -> int:
             classifier.check_target(target)
         return target, draft
 
-    runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}"  # one log for any --limit
+    sampled = f"_t{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") if args.temperature else ""
+    # One log for any --limit (and, when sampling, any --seed: its records say theirs).
+    runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}{sampled}"
     span = f"{args.start}-{args.start + len(problems) - 1}" if args.start else f"{len(problems)}"
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
-            + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else ""))
+            + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
+            + (f"{sampled}_s{args.seed}" if sampled else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,
                      draft_stop=args.draft_stop, max_draft_tokens=args.max_draft_tokens,
-                     log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None)
+                     log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None,
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
+    how = f"temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed}" if sampled else "greedy"
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
                         args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None,
-                        args.batch_size, args.draft_stop)
+                        args.batch_size, args.draft_stop, how)
     print(bench.markdown(rows, head))
     if args.out:
         for path in bench.write(rows, Path(args.out), stem, head, plot=args.plot):
@@ -220,8 +227,46 @@ def _label(args) -> int:
     return 0
 
 
+def _retrace(args) -> int:
+    from pathlib import Path
+
+    from .decoding.attention import use_gqa_sdpa
+    from .decoding.onednn import use_onednn_linear
+    from .evaluation import tasks
+    from .models.registry import check_weights
+    from .pivots import retrace
+
+    folder = Path(args.folder)
+    if not (folder / "meta.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a pad label folder (meta.json is missing)")
+    meta = json.loads((folder / "meta.json").read_text())
+    if args.batch < 1:
+        raise ValueError("--batch must be at least 1")
+    if (meta.get("target"), meta.get("draft")) != (args.target, args.draft):
+        raise ValueError(f"{folder} was labeled with target {meta.get('target')} and draft {meta.get('draft')}: "
+                         f"give them as --target and --draft")
+    if args.dtype != meta.get("dtype"):
+        raise ValueError(f"{folder} was labeled in {meta.get('dtype')}: retrace it with --dtype {meta.get('dtype')} "
+                         f"(another dtype rounds to other texts)")
+    check_weights(meta.get("weights") or {}, _weights(args), f"label folder {folder}")
+    if meta.get("prompt") != tasks.prompt_fingerprint(meta["task"]):
+        raise ValueError(f"{folder} was labeled with another prompt ({meta.get('prompt')}) than this version's")
+    target, tokenizer, draft = _load_pair(args)
+    for model in (target, draft):  # the kernels the search labeler decoded with (see _label)
+        use_gqa_sdpa(model, fused_cpu=True)
+        use_onednn_linear(model)
+    problems = tasks.load(meta["task"], meta["split"], args.data)
+    prompts = {p.id: tasks.prompt_ids(tokenizer, meta["task"], p)[0].tolist() for p in problems}
+    summary = retrace.run(folder, prompts, target, draft, meta["max_new_tokens"], batch=args.batch, limit=args.limit)
+    print(f"retraced {summary['problems']} problems: {summary['matched']} of {summary['decisions']} decisions "
+          f"matched the stored walks -> {folder / retrace.FOLDER}")
+    return 0
+
+
 def _train(args) -> int:
     import shlex
+
+    from dataclasses import replace
 
     from .pivots import train
 
@@ -231,6 +276,11 @@ def _train(args) -> int:
     if args.model == "auto" and not folds:
         raise ValueError("--model auto chooses by cross-validation: it needs --folds of at least 2")
     clf, report = train.select_and_train(data, meta, cfg, folds)
+    if args.compare_feature:
+        if folds < 2:
+            raise ValueError("--compare-feature cross-validates: it needs --folds of at least 2")
+        report["feature_comparison"] = train.compare_feature(data, meta, replace(cfg, model=report["model"]),
+                                                             args.compare_feature, folds)
     out = train.save(clf, report, args.out, command=f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv))
     print(train.report_markdown(report))
     print(f"saved the classifier to {out}")
@@ -335,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP + " (every speculative policy)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); > 0: sample, every policy from the same seeded draws per batch")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
+    b.add_argument("--seed", type=int, default=0, help="with --temperature: the run's seed (a run log holds any "
+                                                        "number of seeds, each record its own)")
     b.add_argument("--classifier", help="PivotClassifier folder for the pivot@SIGMA policies (default: the one "
                                         "shipped for the default pair)")
     b.add_argument("--out", help="folder for the CSV and markdown tables and the run log (runs already in the "
@@ -384,6 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--threads", type=int, help="torch CPU threads")
     dr.set_defaults(func=_doctor)
 
+    rt = sub.add_parser("retrace", help="compute the divergence feature for the stored decisions of a search label "
+                                        "folder by retracing its walks (resumable)")
+    rt.add_argument("folder", help="a folder written by label --method search")
+    _add_models(rt)
+    rt.add_argument("--data", help="JSONL file of the folder's task (default: the data folder)")
+    rt.add_argument("--batch", type=int, default=16, help="walks retraced together")
+    rt.add_argument("--limit", type=int, help="retrace at most N more problems")
+    rt.set_defaults(func=_retrace)
+
     tr = sub.add_parser("train", help="train the pivot classifier on label folders")
     tr.add_argument("dirs", nargs="+", help="folders written by the label command")
     tr.add_argument("--out", required=True, help="classifier folder to write")
@@ -400,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--folds", type=int, default=None,
                     help="also report an AUROC cross-validated over this many folds of problems "
                          "(default 5, or one per problem when fewer; 0: off)")
+    tr.add_argument("--compare-feature", choices=("divergence",),
+                    help="also cross-validate the chosen kind with this candidate feature added, on the positions "
+                         "that have it, and report the AUROC difference with its bootstrap interval (the saved "
+                         "classifier reads the op's features only)")
     tr.set_defaults(func=_train)
     return parser
 
@@ -429,7 +497,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resumes = "; the same command goes on from what was saved" if args.func in (_label, _bench) else ""
+        resumes = "; the same command goes on from what was saved" if args.func in (_label, _bench, _retrace) else ""
         print(f"{PROG}: interrupted{resumes}", file=sys.stderr)
         return INTERRUPTED
     finally:

@@ -393,3 +393,68 @@ def test_label_offsets_never_overlap_and_keep_inside(seed):
 def test_label_offsets_default_and_right_edge():
     assert bench.label_offsets([(10.0, 10.0)], [(30.0, 8.0)]) == [(3.0, 3.0)]
     assert bench.label_offsets([(240.0, 10.0)], [(30.0, 8.0)], right=250.0) == [(-33.0, 3.0)]
+
+
+def test_sampled_bench_repeats_its_seed_and_logs_it_apart(tmp_path):
+    target, draft, tok, problems = _bench_setup()
+    specs = bench.parse_policies("target,exact,kl@inf,0,topk@0,1")  # kl and topk at their exact-equal settings
+    log = tmp_path / "runs.jsonl"
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, progress=False, log=log, batch_size=2)
+
+    def replies(**sampling):
+        bench.run("gsm8k", problems, target, draft, tok, specs, **kwargs, **sampling)
+        return {(r["problem"], r["policy"]): r["reply"] for r in map(json.loads, log.read_text().splitlines())
+                if r["settings"].get("seed") == sampling.get("seed") and "temperature" in r["settings"]}
+
+    first = replies(temperature=1.0, seed=0)
+    assert len(first) == 3 * 4 and len(log.read_text().splitlines()) == 12
+    for p in problems:  # the relaxed rules at their exact-equal settings sample exact's very tokens
+        assert first[p.id, "kl@inf,0"] == first[p.id, "topk@0,1"] == first[p.id, "exact"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(r["settings"]["temperature"] == 1.0 and r["settings"]["top_p"] == 1.0 for r in records)
+    # A fresh log, the same seed: the same samples, whatever ran before in the process.
+    log.unlink()
+    bench.run("gsm8k", problems[1:], target, draft, tok, specs[:1], **{**kwargs, "batch_size": 1},
+              temperature=1.0, seed=5)
+    log.unlink()
+    assert replies(temperature=1.0, seed=0) == first
+    second = replies(temperature=1.0, seed=1)  # another seed: other samples, logged beside the first
+    assert second != first and len(log.read_text().splitlines()) == 24
+    # Greedy runs reuse no sampled record (and the other way round).
+    bench.run("gsm8k", problems, target, draft, tok, specs[:1], **kwargs)
+    greedy = [json.loads(x) for x in log.read_text().splitlines()][24:]
+    assert len(greedy) == 3 and all("temperature" not in r["settings"] for r in greedy)
+    for bad in ("fly", "hf-assisted"):
+        with pytest.raises(ValueError, match="greedily only"):
+            bench.run("gsm8k", problems, target, draft, tok, bench.parse_policies(f"target,{bad}"), **kwargs,
+                      temperature=0.7)
+
+
+def test_group_seed_depends_on_the_seed_and_the_first_problem():
+    assert bench.group_seed(0, "a") == bench.group_seed(0, "a")
+    assert len({bench.group_seed(s, p) for s in range(3) for p in ("a", "b")}) == 6
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 6, 10, 99])
+def test_t_quantile(df):
+    tolerance = 4e-3 if df < 6 else 2e-4 if df < 10 else 2e-5
+    assert bench._t_quantile(0.975, df) == pytest.approx(scipy.stats.t.ppf(0.975, df), abs=tolerance)
+
+
+def test_paired_mean_difference_is_the_t_interval_over_problems():
+    g = torch.Generator().manual_seed(4)
+    a = (torch.randint(0, 4, (100,), generator=g) / 3).tolist()  # shares of 3 seeds
+    b = [min(1.0, x + (1 / 3 if torch.rand(1, generator=g) < 0.2 else 0)) for x in a]
+    d, low, high = bench.paired_mean_difference(a, b)
+    diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    half = scipy.stats.t.ppf(0.975, 99) * float(diff.std()) / 10
+    assert d == pytest.approx(float(diff.mean())) and high - d == pytest.approx(half, rel=1e-4)
+    assert low == pytest.approx(d - (high - d)) and high < 0  # b is never worse: a real loss
+    rows = bench.summary_rows({"exact": bench.PolicyTotals(), "x": bench.PolicyTotals()}, {"exact": b, "x": a},
+                              reference="exact")
+    x = rows[1]
+    assert x["reference"] == "exact" and x["interval"] == "t over problems"
+    assert x["accuracy_vs_target"] == pytest.approx(d) and x["lost_vs_target"] == sum(u < v for u, v in zip(a, b))
+    assert x["gained_vs_target"] == 0
+    with pytest.raises(ValueError):
+        bench.paired_mean_difference([0.5], [0.5])

@@ -312,3 +312,42 @@ def test_terminated_label_job_saves_its_texts_and_the_same_command_resumes(folde
     assert not list((out / "partial").glob("*"))
 
     assert_same_labels(tmp_path / "clean", out)
+
+
+def test_sampled_bench_logs_apart_and_names_its_seed(folders, tmp_path, capsys):
+    args = ["bench", "--task", "gsm8k", "--data", SAMPLE, "--limit", "2", "--policies", "target,exact", "-k", "2",
+            "--max-new-tokens", "6", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+            "--dtype", "float32", "--out", str(tmp_path), "--temperature", "0.7", "--seed", "1"]
+    assert main(args) == 0
+    runs = [json.loads(line) for line in (tmp_path / "gsm8k_dev_k2_float32_t0.7.runs.jsonl").read_text().splitlines()]
+    assert len(runs) == 4 and {(r["settings"]["temperature"], r["settings"]["seed"]) for r in runs} == {(0.7, 1)}
+    assert "temperature 0.7, top-p 1, seed 1" in (tmp_path / "gsm8k_dev_2_k2_float32_t0.7_s1.md").read_text()
+    capsys.readouterr()
+    for bad in (["--temperature", "-1"], ["--top-p", "0"]):
+        assert main(args[:-4] + bad) == 2
+        assert "--temperature must be at least 0" in capsys.readouterr().err
+    assert main(args[:-4] + ["--policies", "target,fly", "--temperature", "0.7"]) == 2
+    assert "decode greedily only" in capsys.readouterr().err
+
+
+def test_retrace_cli_adds_the_divergence_to_an_old_search_folder(folders, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "labels"
+    models = ["--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32"]
+    assert main(["label", "--method", "search", "--task", "gsm8k", "--data", SAMPLE, "--limit", "4",
+                 "--max-new-tokens", "30", *models, "--layer", "-1", "--batch", "3", "--out", str(out)]) == 0
+    stored = {}
+    for f in sorted((out / "problems").glob("*.safetensors")):  # as a folder labeled before the divergence
+        t = load_file(str(f))
+        stored[f.name] = t.pop("divergence")
+        save_file(t, str(f))
+    assert stored and sum(len(v) for v in stored.values()) >= 3
+    capsys.readouterr()
+    assert main(["retrace", str(out), "--data", SAMPLE, *models, "--batch", "2"]) == 0
+    decisions = sum(len(v) for v in stored.values())
+    assert f"{decisions} of {decisions} decisions matched" in capsys.readouterr().out
+    for name, want in stored.items():
+        torch.testing.assert_close(load_file(str(out / "retrace" / name))["divergence"].float(), want.float(),
+                                   atol=2e-3, rtol=2e-3)

@@ -114,3 +114,42 @@ def test_frontier_start_takes_a_span_of_problems(tmp_path):
     assert proc.returncode == 1 and "all 4 problems" in proc.stderr  # problem 1 has no runs
     proc = _run(log, "--data", SAMPLE, "--start", 5, "--limit", 5, "--batch-size", 4, "--classifier", CLF)
     assert proc.returncode == 2 and "--start must be" in proc.stderr
+
+
+def test_sampled_frontier_pools_the_seeds_of_each_problem(tmp_path):
+    import scipy.stats
+
+    rng = random.Random(4)
+    n, seeds = 5, (0, 1, 2)
+    sampled = dict(temperature=0.7, top_p=1.0)
+    runs = [_record(p, pol, 8, rng, seed=s, **sampled) for p in range(n) for s in seeds
+            for pol in ("target", "exact", "kl@0.5,1")]
+    runs += [_record(p, "topk@2,0.1", 8, rng, seed=s, **sampled) for p in range(n) for s in seeds[:2]]  # no seed 2
+    runs += [_record(p, "exact", 8, rng) for p in range(n)]  # greedy: not in the sampled table
+    runs += [_record(p, "exact", 8, rng, seed=0, temperature=1.0, top_p=1.0) for p in range(n)]  # another T
+    log = tmp_path / "gsm8k_dev_k8_bfloat16_t0.7.runs.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    proc = _run(log, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--temperature", 0.7,
+                "--seeds", "0,1,2", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    assert list(rows)[1:] == ["target", "exact K=8", "kl@0.5,1 K=8"] and "topk@2,0.1 K=8 (10/15)" in proc.stdout
+    assert "accuracy - exact K=8 [95% CI]" in proc.stdout and "temperature 0.7, top-p 1, seeds 0,1,2" in proc.stdout
+    assert (tmp_path / "gsm8k_dev_5_frontier_bfloat16_t0.7.md").is_file()
+
+    def shares(policy):
+        return [sum(r["correct"] for r in runs if r["policy"] == policy and r["problem"] == f"gsm8k/dev/{p}"
+                    and r["settings"].get("temperature") == 0.7) / 3 for p in range(n)]
+
+    kl, exact = shares("kl@0.5,1"), shares("exact")
+    diff = [a - b for a, b in zip(kl, exact)]
+    mean = sum(diff) / n
+    half = scipy.stats.t.ppf(0.975, n - 1) * (sum((d - mean) ** 2 for d in diff) / (n - 1)) ** 0.5 / n ** 0.5
+    cells = rows["kl@0.5,1 K=8"]
+    assert cells[1] == f"{sum(kl) / n:.1%}"  # the mean over the seeds
+    assert cells[7] == f"{100 * mean:+.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
+    assert cells[8] == f"{sum(a < b for a, b in zip(kl, exact))} / {sum(a > b for a, b in zip(kl, exact))}"
+    assert rows["exact K=8"][7] == "+0.0 [+0.0, +0.0]"
+    # The greedy table of the same log ignores the sampled runs: only the greedy exact is there, no target.
+    proc = _run(log, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--reference", "exact")
+    assert proc.returncode == 0 and list(_rows(proc.stdout))[1:] == ["exact K=8"]

@@ -174,6 +174,11 @@ def test_label_features_equal_verify_blocks_own_features(setup, tmp_path):
                 torch.testing.assert_close(t["entropy"][i].float(), res.entropy[0, 0].half().float())
                 q = torch.softmax(draft(torch.tensor([prefix])).logits[0, -1].float(), -1)
                 torch.testing.assert_close(t["draft_prob"][i].float(), q[d].half().float())
+                # the divergence KL(p_target || p_draft), in fp64 from the two plain forwards
+                log_p = torch.log_softmax(logits[0, 0].double(), -1)
+                log_q = torch.log_softmax(draft(torch.tensor([prefix])).logits[0, -1].double(), -1)
+                kl = (log_p.exp() * (log_p - log_q)).sum()
+                torch.testing.assert_close(t["divergence"][i].double(), kl, atol=2e-3, rtol=2e-3)
                 checked += 1
     assert checked >= 5
 

@@ -62,10 +62,14 @@ def _walk(target, draft, prompt: list[int], max_new: int, layer: int):
         res = verify_block(target(torch.tensor([prompt + text[:t] + [d]])).logits[:, -2:], torch.tensor([[d]]))
         capture.remove()
         q = torch.softmax(logits[len(prompt) - 1 + t].float(), -1)
+        # KL(p_target || p_draft) at the decision, in fp64 from both models' plain forwards
+        log_p = torch.log_softmax(target(torch.tensor([prompt + text[:t]])).logits[0, -1].double(), -1)
+        log_q = torch.log_softmax(logits[len(prompt) - 1 + t].double(), -1)
         new_key, new_correct = _outcome(new)
         decisions.append({"position": t, "same_answer": int(new_key == key), "correct_before": int(correct),
                           "correct_after": int(new_correct), "hidden": capture.value[0, 0],
-                          "token_prob": res.token_prob[0, 0], "entropy": res.entropy[0, 0], "draft_prob": q[d]})
+                          "token_prob": res.token_prob[0, 0], "entropy": res.entropy[0, 0], "draft_prob": q[d],
+                          "divergence": (log_p.exp() * (log_p - log_q)).sum()})
         if new_key == key:
             text, correct = new, new_correct
         pos = t + 1
@@ -90,7 +94,7 @@ def test_search_takes_the_decisions_of_the_plain_rule(setup, tmp_path, monkeypat
         for name in ("position", "same_answer", "correct_before", "correct_after"):
             assert t[name].tolist() == [d[name] for d in decisions], (problem.id, name)
         assert t["label"].tolist() == [1 - d["same_answer"] for d in decisions]
-        for name in ("hidden", "token_prob", "entropy", "draft_prob"):
+        for name in ("hidden", "token_prob", "entropy", "draft_prob", "divergence"):
             want = torch.stack([torch.as_tensor(d[name]).float() for d in decisions]).half().float()
             torch.testing.assert_close(t[name].float(), want, rtol=2e-3, atol=2e-3)
         kinds += len(set(t["same_answer"].tolist())) == 2

@@ -255,3 +255,74 @@ def test_cross_validation_reports_within_problem_auroc(tmp_path):
                                   "label_meta": meta, "cross_validation": cv})
     assert f"Within problems (only the {inside['pairs']} pivot / non-pivot pairs" in text
     assert "1 - p_target(token) AUROC 1.000" in text.split("Within problems")[1]
+
+
+def _with_divergence(folder, seed: int, signal: float, unknown: int = 0):
+    """Add a ``divergence`` to every problem file of a planted folder: ``signal`` apart between pivots and the
+    rest plus unit noise, NaN at the first ``unknown`` positions of each problem (not retraced)."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    for f in sorted((folder / "problems").glob("*.safetensors")):
+        t = load_file(str(f))
+        t["divergence"] = (t["label"].float() * signal + torch.randn(len(t["label"]), generator=g)).half()
+        t["divergence"][:unknown] = float("nan")
+        save_file(t, str(f))
+
+
+def test_compare_feature_measures_what_a_candidate_adds(tmp_path):
+    _planted(tmp_path / "labels", problems=30)
+    _with_divergence(tmp_path / "labels", seed=5, signal=2.0, unknown=2)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    data["hidden"] = torch.randn(data["hidden"].shape, generator=torch.Generator().manual_seed(6)).half()  # no signal
+    cfg = train.TrainConfig(model="linear", l2_grid=(1e-2, 1.0), bootstrap=500)
+    cmp = train.compare_feature(data, meta, cfg, "divergence", folds=3, progress=False)
+    assert cmp["positions"] == 30 * 23 and cmp["positions_without_it"] == 30 * 2 and cmp["problems"] == 30
+    assert cmp["auroc"]["without"] < 0.6 < 0.8 < cmp["auroc"]["with"] and cmp["difference_ci"][0] > 0.1
+    assert cmp["auroc"]["divergence"] > 0.8  # the candidate alone, as the score
+    # A candidate of noise: no gain whose interval excludes zero.
+    _with_divergence(tmp_path / "labels", seed=7, signal=0.0)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    cmp = train.compare_feature(data, meta, cfg, "divergence", folds=3, progress=False)
+    assert cmp["difference_ci"][0] <= 0 and abs(cmp["difference"]) < 0.01 and cmp["positions_without_it"] == 0
+    text = train.report_markdown({**train.train(data, meta, train.TrainConfig(epochs=2), progress=False)[1],
+                                  "label_meta": meta, "feature_comparison": cmp})
+    assert "Candidate feature divergence (linear, the same 3 folds of problems, on the 750 positions" in text
+
+
+def test_compare_feature_bad_inputs(tmp_path):
+    _planted(tmp_path / "labels", problems=6)
+    data, meta = train.load_shards([tmp_path / "labels"])
+    with pytest.raises(ValueError, match="hold no divergence"):
+        train.compare_feature(data, meta, train.TrainConfig(), "divergence", progress=False)
+    with pytest.raises(ValueError, match="unknown candidate feature"):
+        train.compare_feature(data, meta, train.TrainConfig(), "hidden", progress=False)
+    data["divergence"] = torch.full(data["label"].shape, float("nan"))
+    with pytest.raises(ValueError, match="no labeled position has a divergence"):
+        train.compare_feature(data, meta, train.TrainConfig(), "divergence", progress=False)
+
+
+def test_train_cli_compares_a_candidate_feature(tmp_path, capsys):
+    _planted(tmp_path / "labels", problems=12)
+    _with_divergence(tmp_path / "labels", seed=8, signal=1.0)
+    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "clf"), "--epochs", "3", "--folds", "2",
+                 "--model", "mlp", "--compare-feature", "divergence"]) == 0
+    assert "Candidate feature divergence (mlp, the same 2 folds" in capsys.readouterr().out
+    report = json.loads((tmp_path / "clf" / "report.json").read_text())
+    assert report["feature_comparison"]["positions"] == 300
+    # The saved classifier reads the op's features only, so it decodes.
+    assert pad.PivotClassifier.load(tmp_path / "clf").feature_names == ("token_prob", "entropy")
+    assert main(["train", str(tmp_path / "labels"), "--out", str(tmp_path / "c2"), "--folds", "0",
+                 "--compare-feature", "divergence", "--model", "mlp"]) == 2
+    assert "needs --folds of at least 2" in capsys.readouterr().err
+
+
+def test_a_classifier_of_a_candidate_feature_trains_but_does_not_fold():
+    from pad_kernels import FEATURE_NAMES
+
+    clf = pad.PivotClassifier(8, feature_names=FEATURE_NAMES + ("divergence",))
+    assert clf.pivot_prob(torch.randn(4, 8), torch.randn(4, 3)).shape == (4,)
+    with pytest.raises(ValueError, match="not decoded with"):
+        clf.fold()
+    with pytest.raises(ValueError, match="candidate features"):
+        pad.PivotClassifier(8, feature_names=FEATURE_NAMES + ("draft_prob",))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,7 +230,8 @@ class RunLog:
 def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicySpec], *,
         num_draft_tokens: int | str, max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
         settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1,
-        draft_stop: float | None = None, max_draft_tokens: int | None = None) -> list[dict]:
+        draft_stop: float | None = None, max_draft_tokens: int | None = None, temperature: float = 0.0,
+        top_p: float = 1.0, seed: int = 0) -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
     Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` one at a time:
@@ -239,11 +241,18 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     callable returning (target, draft), called the first time a run is missing, in place of ``target`` and
     ``draft`` (so a table of logged runs is printed without loading any weights). ``num_draft_tokens``: K of
     the policies without their own (``PolicySpec.k``); ``"auto"`` with ``max_draft_tokens`` as in ``generate``.
+    ``temperature`` > 0 samples (with ``top_p``); each batch of problems draws from its own generator, seeded by
+    ``seed`` and its first problem (``group_seed``), so a run repeats whatever ran before it in the process.
     """
     from tqdm.auto import tqdm
 
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
+    if temperature > 0:
+        greedy_only = [s.name for s in specs if s.policy in HF_POLICIES or s.policy == "fly"]
+        if greedy_only:
+            raise ValueError(f"{', '.join(greedy_only)} decode greedily only (fly's 'matches the target' is a "
+                             "greedy notion; transformers' baselines run here greedy): leave them out when sampling")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     runs = RunLog(log)
     for r in runs.records:
@@ -253,6 +262,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
             "max_new_tokens": max_new_tokens, "machine": machine_line(with_commit=False)}
     if draft_stop is not None:  # absent otherwise, so that the logs of fixed-length runs stay valid
         base["draft_stop"] = draft_stop
+    sampling = {"temperature": temperature, "top_p": top_p, "seed": seed} if temperature > 0 else {}
+    base.update(sampling)  # absent when greedy, so that the greedy logs stay valid
     extra = {"pivot": {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor},
              "hf-assisted": {"hf_assisted": HF_ASSISTED}}
     totals = {s.name: PolicyTotals() for s in specs}
@@ -281,11 +292,11 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
                                    k, min(WARMUP_TOKENS, max_new_tokens), eos, score=False,
-                                   draft_stop=draft_stop, max_draft_tokens=max_draft_tokens)
+                                   draft_stop=draft_stop, max_draft_tokens=max_draft_tokens, sampling=sampling)
                         warm.add(spec.name)
                     fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
                                        k, max_new_tokens, eos, draft_stop=draft_stop,
-                                       max_draft_tokens=max_draft_tokens)
+                                       max_draft_tokens=max_draft_tokens, sampling=sampling)
                     for i, (p, record) in enumerate(zip(group, fresh)):
                         if found[i] is None:  # counted as logged, so a table from the log alone is the same
                             found[i] = {"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
@@ -304,25 +315,32 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     return summary_rows(totals, {name: [c[p.id] for p in problems] for name, c in correct.items()})
 
 
-def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list[bool]]) -> list[dict]:
-    """One ``PolicyTotals.row`` per policy, in the order of ``totals``, each with its speedup over and its
-    accuracy difference from the policy named "target" (paired over the same problems: ``correct[name]``
-    lists every policy's outcomes in one order), split into the problems it lost (the target right, the
-    policy wrong) and gained (the reverse); NaN where there is no target."""
+def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], reference: str = "target") -> list[dict]:
+    """One ``PolicyTotals.row`` per policy, in the order of ``totals``, each with its speedup over the policy
+    named "target" and its accuracy difference from ``reference`` (paired over the same problems:
+    ``correct[name]`` lists every policy's outcomes in one order), split into the problems it lost (the
+    reference right, the policy wrong) and gained (the reverse); NaN where there is no reference.
+
+    Outcomes are bools (one run a problem: the exact McNemar interval, ``paired_difference``) or each
+    problem's share of right answers over several sampled runs (seeds pooled per problem: the t interval
+    over problems, ``paired_mean_difference``; lost / gained then count the problems whose share fell / rose).
+    The differences are stored as ``accuracy_vs_target*`` whatever the reference, which ``reference`` names."""
     rows = comparable_speeds([t.row(name) for name, t in totals.items()])
     target_tps = next((r["tokens_per_s"] for r in rows if r["policy"] == "target"), math.nan)
     for row in rows:
         row["speedup_vs_target"] = row["tokens_per_s"] / target_tps if not math.isnan(target_tps) else math.nan
     for row in rows:
-        if "target" in correct:
-            ours, theirs = correct[row["policy"]], correct["target"]
-            diff, low, high = paired_difference(ours, theirs)
-            lost = sum(t and not c for c, t in zip(ours, theirs))
-            gained = sum(c and not t for c, t in zip(ours, theirs))
+        if reference in correct:
+            ours, theirs = correct[row["policy"]], correct[reference]
+            shares = any(not isinstance(v, bool) for v in (*ours, *theirs))
+            diff, low, high = (paired_mean_difference if shares else paired_difference)(ours, theirs)
+            lost = sum(c < t for c, t in zip(ours, theirs))
+            gained = sum(c > t for c, t in zip(ours, theirs))
         else:
             diff = low = high = lost = gained = math.nan
         row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high,
-                   lost_vs_target=lost, gained_vs_target=gained)
+                   lost_vs_target=lost, gained_vs_target=gained, reference=reference,
+                   interval="t over problems" if reference in correct and shares else "McNemar")
     return rows
 
 
@@ -366,6 +384,36 @@ def paired_difference(a: list[bool], b: list[bool], level: float = 0.95):
     low, high = clopper_pearson(x, m, level)
     n = len(a)
     return (2 * x - m) / n, m / n * (2 * low - 1), m / n * (2 * high - 1)
+
+
+def paired_mean_difference(a: list[float], b: list[float], level: float = 0.95):
+    """Mean of ``a`` minus ``b`` over the same n problems, each entry a problem's share of right answers over
+    several sampled runs, with the Student t interval of the mean per-problem difference -> (difference, low,
+    high). The runs of one problem are pooled first: they are not independent problems."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError("paired shares need the same list of at least two problems")
+    n = len(a)
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / n
+    half = _t_quantile(1 - (1 - level) / 2, n - 1) * math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    return mean, mean - half, mean + half
+
+
+def _t_quantile(p: float, df: int) -> float:
+    """Student t quantile: exact at 1 and 2 degrees of freedom, beyond by the Cornish-Fisher expansion around
+    the normal quantile (Abramowitz & Stegun 26.7.5; at p = 0.975 within 4e-3 of the exact value at 3 degrees,
+    2e-4 from 6 on, 2e-5 from 10 on)."""
+    from statistics import NormalDist
+
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    x = NormalDist().inv_cdf(p)
+    g = ((x ** 3 + x) / 4, (5 * x ** 5 + 16 * x ** 3 + 3 * x) / 96,
+         (3 * x ** 7 + 19 * x ** 5 + 17 * x ** 3 - 15 * x) / 384,
+         (79 * x ** 9 + 776 * x ** 7 + 1482 * x ** 5 - 1920 * x ** 3 - 945 * x) / 92160)
+    return x + sum(gi / df ** (i + 1) for i, gi in enumerate(g))
 
 
 def clopper_pearson(x: int, m: int, level: float = 0.95) -> tuple[float, float]:
@@ -439,11 +487,19 @@ def _hf_target(target, ids, mask, max_new_tokens, eos, pad) -> tuple[list[list[i
     return rows, seconds, forwards[0]
 
 
+def group_seed(seed: int, first_problem: str) -> int:
+    """The seed of a sampled batch: fixed by the run's seed and the batch's first problem (its composition is
+    fixed by --start, --limit and --batch-size), not by what the process ran before."""
+    return zlib.crc32(f"{seed}/{first_problem}".encode())
+
+
 def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
-               score: bool = True, draft_stop: float | None = None, max_draft_tokens: int | None = None) -> list[dict]:
+               score: bool = True, draft_stop: float | None = None, max_draft_tokens: int | None = None,
+               sampling: dict | None = None) -> list[dict]:
     """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
     PolicyTotals adds up; ``seconds`` and, with auto K, the predicted and measured block times are the
-    batch's split evenly over its rows). ``score=False``: a warm-up, not scored."""
+    batch's split evenly over its rows). ``score=False``: a warm-up, not scored. ``sampling``: temperature,
+    top_p and seed (empty: greedy)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     batch, mask = left_padded(ids, pad)
     _reset_peak_memory()
@@ -457,7 +513,9 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
                           classifier=classifier if spec.policy == "pivot" else None, floor=floor,
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                          draft_stop=draft_stop, max_draft_tokens=max_draft_tokens if k == "auto" else None)
+                          draft_stop=draft_stop, max_draft_tokens=max_draft_tokens if k == "auto" else None,
+                          **({"temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                              "seed": group_seed(sampling["seed"], group[0].id)} if sampling else {}))
         seconds, P, total = result.stats.wall_time, batch.shape[1], result.stats
         rows = [(result.sequences[i, P : P + int(result.lengths[i])].tolist(),
                  {"target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted,
@@ -501,13 +559,22 @@ def markdown(rows: list[dict], header: str) -> str:
             return f"{value} / {row['gained_vs_target']}"
         return fmt.format(value)
 
-    lines = [header, "", "| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    reference = rows[0].get("reference", "target") if rows else "target"
+    names = [c[1].replace("- target", f"- {reference}") for c in COLUMNS]
+    lines = [header, "", "| " + " | ".join(names) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, key, fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
-    note = ("Accuracy differences are in points, against the target alone on the same problems, with the exact "
-            "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ); lost / gained: the "
-            "problems the target solves and the policy does not, and the reverse. Probe: the "
-            "machine's speed on a fixed matmul when the row's runs were timed (`pad.evaluation.machine.speed_probe`,"
-            " weighted by run time; n/a for runs logged before it existed).")
+    who = "the target alone" if reference == "target" else reference
+    if rows and rows[0].get("interval") == "t over problems":
+        note = (f"Accuracy is the mean over the seeds; differences are in points, against {who} on the same problems "
+                "and seeds, with the Student t 95% interval over problems of each problem's difference in its share "
+                "of right answers over the seeds (the seeds of a problem pooled); lost / gained: the problems whose "
+                f"share is lower than {who}'s, and higher. Probe: the ")
+    else:
+        note = (f"Accuracy differences are in points, against {who} on the same problems, with the exact "
+                "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ); lost / gained: "
+                f"the problems {who} solves and the policy does not, and the reverse. Probe: the ")
+    note += ("machine's speed on a fixed matmul when the row's runs were timed (`pad.evaluation.machine.speed_probe`,"
+             " weighted by run time; n/a for runs logged before it existed).")
     left_out = [r["policy"] for r in rows if r.get("speed_left_out")]
     if left_out:
         note += (f"\n\n**Tokens/s left out (n/a) for {', '.join(left_out)}: timed on a machine of another speed "
@@ -643,11 +710,12 @@ def _plot(rows, path: Path, title: str) -> Path:
 
 
 def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, dtype: str,
-           command: str, classifier: str | None = None, batch_size: int = 1, draft_stop: float | None = None) -> str:
+           command: str, classifier: str | None = None, batch_size: int = 1, draft_stop: float | None = None,
+           sampling: str = "greedy") -> str:
     clf = f"; classifier {classifier}" if classifier else ""
     batch = (f"; batches of {batch_size} problems (hf-assisted one at a time: transformers refuses batches)"
              if batch_size > 1 else "")
     drafts = f"K={k}" if draft_stop is None else f"K<={k} (drafting stops below draft probability {draft_stop:g})"
     drafts += " unless a policy gives its own (policy:K)"
-    return (f"{task}, {n} problems, {drafts}, max {max_new_tokens} new tokens, greedy, {dtype}; target {target_name}, "
-            f"draft {draft_name}{clf}{batch}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")
+    return (f"{task}, {n} problems, {drafts}, max {max_new_tokens} new tokens, {sampling}, {dtype}; "
+            f"target {target_name}, draft {draft_name}{clf}{batch}\n\nCommand: `{command}`\n\nMachine: {machine_line()}")

@@ -15,6 +15,9 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT = "pad-pivot-classifier"
 FORMAT_VERSION = 1
 KINDS = ("mlp", "linear")
+# Features a classifier may read after FEATURE_NAMES to measure what they add (``pad-decoding train
+# --compare-feature``); the op computes FEATURE_NAMES only, so such a classifier does not fold.
+CANDIDATE_FEATURES = ("divergence",)
 
 
 class PivotClassifier(nn.Module):
@@ -47,8 +50,10 @@ class PivotClassifier(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"unknown classifier kind {kind!r}; choose one of {', '.join(KINDS)}")
-        if tuple(feature_names) != FEATURE_NAMES:
-            raise ValueError(f"feature_names must be {FEATURE_NAMES} (what the verification op computes), got {feature_names}")
+        extra = tuple(feature_names)[len(FEATURE_NAMES):]
+        if tuple(feature_names)[: len(FEATURE_NAMES)] != FEATURE_NAMES or not set(extra) <= set(CANDIDATE_FEATURES):
+            raise ValueError(f"feature_names must be {FEATURE_NAMES} (what the verification op computes), followed by "
+                             f"candidate features among {CANDIDATE_FEATURES}, got {feature_names}")
         if hidden_size < 1:
             raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
         self.hidden_size = int(hidden_size)
@@ -109,11 +114,15 @@ class PivotClassifier(nn.Module):
 
     def fold(self) -> FoldedClassifier:
         """Fold standardization and the three linear maps before the ReLU into one ``Linear(H + F, D)``.
+        Only a classifier of the op's features (``FEATURE_NAMES``) folds: the op feeds no candidate feature.
 
         The two output logits fold into one score ``logit_pivot - logit_other``, so ``sigmoid(score)``
         equals ``softmax(logits)[1]``. Computed in fp64, returned as fp32 on the module's device. The result
         is kept until a weight changes (each tensor's version counter), so decoding many prompts folds once.
         """
+        if self.feature_names != FEATURE_NAMES:
+            raise ValueError(f"this classifier reads {self.feature_names[len(FEATURE_NAMES):]}, which verify_block "
+                             f"does not give the classifier: it can be cross-validated, not decoded with")
         state = [*self.parameters(), *self.buffers()]
         key = tuple((t.data_ptr(), t._version, t.device) for t in state)
         cached = self.__dict__.get("_folded")

@@ -15,7 +15,8 @@ as one batch would compute a third of their columns as padding.
 A job with a ``draft_token`` feeds ``[token before the decision, draft token]`` last (after whatever part
 of its text its prefix lacks): the first of those two positions is where the target would verify the draft
 token, and the op ``verify_block`` computes the classifier's features there (hidden state at ``layer``,
-``p_target(token)``, entropy) exactly as in decoding.
+``p_target(token)``, entropy, and with the job's ``draft_logits`` the divergence KL(p_target || p_draft))
+exactly as in decoding.
 
 Guessed tokens (prompt lookup): a continuation mostly repeats the text it branched from, shifted. Each
 step feeds a row its last token plus up to ``lookahead`` tokens copied from the job's ``lookup`` tokens
@@ -47,6 +48,7 @@ class Job:
     first: list[int]  # tokens fed first
     budget: int  # new tokens to decode at most after ``first`` (0: only feed it)
     draft_token: int | None = None  # first ends with [x, draft_token]: features of the draft token at x
+    draft_logits: torch.Tensor | None = None  # [V], the draft's logits where it chose draft_token: adds divergence
     lookup: list[int] = field(default_factory=list)  # tokens the continuation likely repeats (guesses)
     generated: list[int] = field(default_factory=list)
     features: dict | None = None  # set when ``first`` has been fed
@@ -106,7 +108,7 @@ def join_groups(widths: list[int], fixed: float = JOIN_FIXED) -> list[list[int]]
 class Finished:
     job: Job
     cache: tuple  # (keys, values): per layer [H, n, D], the text up to the last token it fed
-    features: dict | None  # hidden [H], token_prob, entropy of the draft token, when it had one
+    features: dict | None  # hidden [H], token_prob, entropy (and divergence) of the draft token, when it had one
 
 
 class Continuations:
@@ -220,7 +222,13 @@ class Continuations:
         logits = temp.forward(ids, fed, keep=2)  # [R, 2, V]
         hidden = self.capture.value  # [R, 2, H]
         drafts = torch.tensor([[j.draft_token if j.draft_token is not None else 0] for j in jobs], device=self.device)
-        res = verify_block(logits, drafts)  # the features of each draft token, and the argmax after ``first``
+        # The draft's logits where jobs give them (zeros elsewhere: those rows' divergence is not kept).
+        given = [j.draft_logits for j in jobs]
+        zero = logits.new_zeros(logits.shape[-1])
+        draft_logits = None if all(x is None for x in given) else torch.stack(
+            [zero if x is None else x.to(logits.device, logits.dtype) for x in given])[:, None]
+        # The features of each draft token, and the argmax after ``first``.
+        res = verify_block(logits, drafts, draft_logits=draft_logits)
         host = torch.cat([res.argmax[:, 1], (~torch.isfinite(res.entropy[:, 1])).long()]).tolist()
         tokens, bad = host[: len(jobs)], host[len(jobs) :]
         if any(bad):
@@ -231,6 +239,8 @@ class Continuations:
             if job.draft_token is not None:
                 features = {"hidden": hidden[r, 0].clone(), "token_prob": float(res.token_prob[r, 0]),
                             "entropy": float(res.entropy[r, 0])}
+                if job.draft_logits is not None:
+                    features["divergence"] = float(res.divergence[r, 0])
             job.features = features
             if self._commit(job, token):
                 done.append(Finished(job, temp.row_cache(r), features))

@@ -2,7 +2,8 @@
 
 For each problem: the target decodes greedily; one teacher-forced forward of each model over that text
 gives, at every generated position, the target's hidden state at the classifier's layer, ``p_target`` of
-the draft's choice, the target entropy, and the draft's own probability and entropy. Where the draft's
+the draft's choice, the target entropy, and the draft's own probability and entropy; at the positions kept,
+also the divergence KL(p_target || p_draft) (``verify_block``'s, as decoding computes it). Where the draft's
 greedy token differs from the target's, the text is continued from ``prefix + draft token`` and from
 ``prefix + target token`` with the target and scored with the task's utility:
 
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from pad_kernels import verify_block
 
 from ..decoding.decoder import left_padded
 from ..decoding.generate import generate
@@ -78,6 +81,16 @@ def softmax_stats(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 64):
         entropy.append(-(p * logp).nan_to_num().sum(-1))
         prob.append(p.gather(-1, toks[:, None]).squeeze(-1))
     return torch.cat(prob), torch.cat(entropy)
+
+
+def verify_positions(target_logits: torch.Tensor, tokens: torch.Tensor, draft_logits: torch.Tensor | None = None):
+    """Each of n positions verified as a block of one draft token -> ``VerifyResult`` of [n, 1] fields (the
+    classifier's features at each, and with ``draft_logits`` the divergence, as decoding computes them).
+
+    target_logits [n, V]; tokens [n] the draft tokens; draft_logits [n, V] the draft's logits there.
+    """
+    return verify_block(torch.stack([target_logits, target_logits], 1), tokens.reshape(-1, 1).to(target_logits.device),
+                        draft_logits=None if draft_logits is None else draft_logits[:, None].to(target_logits.dtype))
 
 
 @torch.inference_mode()
@@ -166,10 +179,13 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
         for k, v in (("position", t), ("rate_draft", r_draft), ("rate_target", r_target), ("label", label)):
             rows[k].append(v)
     idx = torch.tensor(keep_idx, dtype=torch.long)
+    divergence = (verify_positions(t_logits[idx], draft_tokens[idx], d_logits[idx]).divergence[:, 0] if len(idx)
+                  else torch.empty(0))
     return {
         "hidden": hidden[idx].to(torch.float16).contiguous(),
         "token_prob": token_prob[idx].to(torch.float16),
         "entropy": entropy[idx].to(torch.float16),
+        "divergence": divergence.to(torch.float16),
         "draft_prob": draft_prob[idx].to(torch.float16),
         "draft_entropy": draft_entropy[idx].to(torch.float16),
         "position": torch.tensor(rows["position"], dtype=torch.int32),

@@ -8,9 +8,10 @@ draft token is harmless (label 0) and the continuation becomes the current text,
 found on it, the way pivot decoding would see them; otherwise it is a pivot (label 1) and the text stays.
 Each decision records the classifier's features at that position, computed on the shared prefix exactly
 as ``verify_block`` computes them in decoding (the target's hidden state at ``layer``, ``p_target`` of the
-draft token, the target entropy; the draft's own probability and entropy), and both outcomes (same answer;
-correct before and after), so that either criterion can be trained from one run. Problems the target
-answers wrong are labeled too.
+draft token, the target entropy, the divergence KL(p_target || p_draft); the draft's own probability and
+entropy), and both outcomes (same answer; correct before and after), so that either criterion can be trained
+from one run. Problems the target answers wrong are labeled too. (Folders labeled before the divergence was
+stored get it from ``pad.pivots.retrace``.)
 
 The continuations of many problems run as rows of one batch (``pad.pivots.continuations``): a problem's next
 decision joins as soon as its last one finished, from the cache of its current text (never prefilled again; a
@@ -35,6 +36,7 @@ to the system every ``GREEDY_SAVE_SECONDS`` and whenever less than ``ADMIT_MEMOR
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -93,6 +95,8 @@ class _Problem:
     draft_top: list[int] = field(default_factory=list)  # the draft's greedy token at each text position
     draft_prob: list[float] = field(default_factory=list)
     draft_entropy: list[float] = field(default_factory=list)
+    # The draft's logits [V] at the positions scored where it disagrees with the text, until their decision.
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
 
 
@@ -136,6 +140,8 @@ def _draft_forget(p: _Problem, start: int) -> None:
     """The text changed from position ``start`` on: the draft's tokens there are stale (its cache is cropped
     when next extended)."""
     del p.draft_top[start:], p.draft_prob[start:], p.draft_entropy[start:]
+    for t in [t for t in p.draft_logits if t >= start]:
+        del p.draft_logits[t]
 
 
 def _draft_extend(draft, vocab: int, p: _Problem, end: int) -> None:
@@ -157,6 +163,8 @@ def _draft_extend(draft, vocab: int, p: _Problem, end: int) -> None:
     logits = out.logits[0, need - have :, :vocab]  # [end - start, V]
     top = logits.argmax(-1)
     prob, entropy = softmax_stats(logits, top)
+    for i in (top.cpu() != torch.tensor(p.text[start:end])).nonzero().flatten().tolist():
+        p.draft_logits[start + i] = logits[i].clone()  # a decision's divergence reads the whole row
     p.draft_top += top.tolist()
     p.draft_prob += prob.tolist()
     p.draft_entropy += entropy.tolist()
@@ -178,7 +186,8 @@ def _next_decision(draft, vocab: int, p: _Problem, max_new_tokens: int) -> Job |
     c = min(n, _cached(p))  # cached columns kept; the job feeds the text from there (a resumed problem's)
     prefix = None if c == 0 else _first_columns(p.cache, c)
     return Job(key=(p.index, t), prefix=prefix, first=[*full[c : n + 1], p.draft_top[t]],
-               budget=max_new_tokens - t - 1, draft_token=p.draft_top[t], lookup=p.text[t:])
+               budget=max_new_tokens - t - 1, draft_token=p.draft_top[t], draft_logits=p.draft_logits.pop(t),
+               lookup=p.text[t:])
 
 
 def _first_columns(cache: tuple, n: int, copy: bool = False) -> tuple:
@@ -192,7 +201,7 @@ def _cached(p: _Problem) -> int:
     return 0 if p.cache is None else p.cache[0][0].shape[1]
 
 
-_RECORD_FLOATS = ("token_prob", "entropy", "draft_prob", "draft_entropy")
+_RECORD_FLOATS = ("token_prob", "entropy", "divergence", "draft_prob", "draft_entropy")
 _RECORD_INTS = ("position", "same_answer", "correct_before", "correct_after")
 
 
@@ -230,7 +239,9 @@ class _Partial:
         t = load_file(str(self.path(p.index)))
         p.text, p.pos = t["text"].tolist(), int(t["pos"])
         for r in range(len(t.get("position", []))):
-            p.records.append({"hidden": t["hidden"][r], **{k: float(t[k][r]) for k in _RECORD_FLOATS},
+            # (a record saved before the labeler stored the divergence has NaN there)
+            p.records.append({"hidden": t["hidden"][r],
+                              **{k: float(t[k][r]) if k in t else math.nan for k in _RECORD_FLOATS},
                               **{k: int(t[k][r]) for k in _RECORD_INTS}})
         return float(t["seconds"])
 
@@ -246,6 +257,7 @@ def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
         "hidden": torch.stack([r["hidden"] for r in p.records]).to(torch.float16).cpu().contiguous(),
         "token_prob": col("token_prob", torch.float16),
         "entropy": col("entropy", torch.float16),
+        "divergence": col("divergence", torch.float16),
         "draft_prob": col("draft_prob", torch.float16),
         "draft_entropy": col("draft_entropy", torch.float16),
         "position": col("position", torch.int32),
@@ -369,6 +381,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                     key, correct = p.outcome(new)
                     f = done.features
                     p.records.append({"hidden": f["hidden"], "token_prob": f["token_prob"], "entropy": f["entropy"],
+                                      "divergence": f["divergence"],
                                       "draft_prob": p.draft_prob[t], "draft_entropy": p.draft_entropy[t],
                                       "position": t, "same_answer": int(key == p.key),
                                       "correct_before": int(p.correct), "correct_after": int(correct)})

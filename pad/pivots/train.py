@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from pad_kernels import FEATURE_NAMES
 
 from .classifier import PivotClassifier
 from .replay import KS as REPLAY_KS, SIGMAS as REPLAY_SIGMAS, TAUS as REPLAY_TAUS, replay_table, tokens_per_forward
@@ -41,6 +43,7 @@ class TrainConfig:
     l2_grid: tuple = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # linear: L2 strengths tried
     inner_folds: int = 3  # linear: folds of the training problems that choose the L2 strength
     bootstrap: int = 2000  # resamples of problems for the report's intervals
+    features: tuple = ()  # candidate features read after the op's (classifier.CANDIDATE_FEATURES)
 
 
 MODELS = ("mlp", "linear", "auto")
@@ -56,12 +59,15 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
     Tensors are [N] (``hidden`` [N, H]), the positions of a problem contiguous and in the folder's order
     (for search folders, walk order); when every folder is a search folder, both outcomes of each
     decision are kept too (``OUTCOMES``); ``WALKS`` says where each position sits in its generated text.
+    ``divergence`` comes from the files, or for folders labeled before it was stored from their retrace
+    (``pad.pivots.retrace``), with NaN where a decision has none.
 
     A problem labeled in more than one folder is taken from the first, so no position counts twice.
     Folders of the search method keep both outcomes of each decision; ``criterion`` picks the label
     (``pad.pivots.search.pivot_labels``). ``only`` (problem ids, for example a report's ``problem_ids``)
     reads those problems alone.
     """
+    from .retrace import FOLDER, retraced
     from .search import pivot_labels
 
     from safetensors.torch import load_file
@@ -72,6 +78,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
         if not (d / "meta.json").is_file():
             raise FileNotFoundError(f"{d} is not a pad label folder (meta.json is missing)")
         metas.append(json.loads((d / "meta.json").read_text()))
+        retraced_here = retraced(d)
         for index in sorted(d.glob("index-*.jsonl")):
             for line in index.read_text().splitlines():
                 if not line.strip():
@@ -83,6 +90,8 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
                 if rec["file"] and rec["problem"] not in seen:
                     seen.add(rec["problem"])
                     t = load_file(str(d / rec["file"]))
+                    if "divergence" not in t and rec["problem"] in retraced_here:
+                        t["divergence"] = load_file(str(d / FOLDER / Path(rec["file"]).name))["divergence"]
                     if "same_answer" in t:
                         t["label"] = pivot_labels(t, criterion)
                     if "position" in t and "generated" in t:  # for replay.tokens_per_forward
@@ -98,6 +107,9 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
     keys = ["hidden", "token_prob", "entropy", "label", "problem"]
     keys += [k for k in ("draft_prob", "draft_entropy", *OUTCOMES, *WALKS) if all(k in p for p in parts)]
     data = {k: torch.cat([p[k] for p in parts]) for k in keys}
+    if any("divergence" in p for p in parts):  # NaN where a decision has none (not retraced, or lost)
+        data["divergence"] = torch.cat([p.get("divergence", torch.full(p["label"].shape, math.nan, dtype=torch.float16))
+                                        for p in parts])
     return data, {**metas[0], "folders": [str(d) for d in dirs], "problems_read": len(read),
                        "problem_ids": sorted(read)}
 
@@ -182,9 +194,10 @@ def sigma_table(pivot_prob: torch.Tensor, labels: torch.Tensor) -> list[dict]:
     return rows
 
 
-def _inputs(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labeled positions -> the classifier's inputs: hidden [N, H] and (p_target(token), entropy) [N, 2], fp32."""
-    return data["hidden"].float(), torch.stack([data["token_prob"].float(), data["entropy"].float()], -1)
+def _inputs(data: dict, extra: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labeled positions -> the classifier's inputs: hidden [N, H] and (p_target(token), entropy, *extra) [N, F],
+    fp32."""
+    return data["hidden"].float(), torch.stack([data[k].float() for k in ("token_prob", "entropy", *extra)], -1)
 
 
 def _logistic(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +254,7 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
     if cfg.model not in ("mlp", "linear"):
         raise ValueError(f"train() fits an mlp or a linear classifier, got {cfg.model!r} (auto: select_and_train)")
     torch.manual_seed(cfg.seed)
-    hidden, features = _inputs(data)
+    hidden, features = _inputs(data, cfg.features)
     labels = data["label"].long()
     problems = data["problem"].unique()
     g = torch.Generator().manual_seed(cfg.seed)
@@ -252,7 +265,8 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
         raise ValueError("the training split needs both pivots and non-pivots")
 
     clf = PivotClassifier(hidden.shape[1], layer=meta.get("layer", -8), target_model=meta.get("target"),
-                          draft_model=meta.get("draft"), weights=meta.get("weights"), kind=cfg.model)
+                          draft_model=meta.get("draft"), weights=meta.get("weights"), kind=cfg.model,
+                          feature_names=FEATURE_NAMES + tuple(cfg.features))
     x = torch.cat([hidden, features], -1)
     with torch.no_grad():
         clf.input_mean.copy_(x[tr].mean(0))
@@ -313,11 +327,9 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
     return clf, report
 
 
-def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), folds: int = 5,
-                   progress: bool = True) -> dict:
-    """Grouped k-fold estimate: problems split into ``folds`` groups; each group's positions are scored by
-    ``train`` run on the other groups (with its own held-out split for early stopping), and AUROC and the
-    sigma table are computed over all these out-of-fold scores together."""
+def out_of_fold(data: dict, meta: dict, cfg: TrainConfig, folds: int, progress: bool = True) -> torch.Tensor:
+    """Each position's pivot probability [N] from a classifier trained (``train``) without its problem's fold;
+    the folds of problems depend only on the problems and ``cfg.seed``."""
     from tqdm.auto import tqdm
 
     problems = data["problem"].unique()
@@ -333,7 +345,46 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
         except ValueError as e:
             raise ValueError(f"a cross-validation fold cannot be trained ({e}); use fewer folds") from e
         with torch.no_grad():
-            prob[test] = clf.pivot_prob(*_inputs({k: v[test] for k, v in data.items()}))
+            prob[test] = clf.pivot_prob(*_inputs({k: v[test] for k, v in data.items()}, cfg.features))
+    return prob
+
+
+def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: int = 5,
+                    progress: bool = True) -> dict:
+    """What a candidate feature adds: out-of-fold AUROC of ``cfg.model`` without and with ``name``, on the same
+    positions (those where ``name`` is known) and folds, and the 95% bootstrap interval over problems of the
+    difference (with - without)."""
+    from .classifier import CANDIDATE_FEATURES
+
+    if name not in CANDIDATE_FEATURES:
+        raise ValueError(f"unknown candidate feature {name!r}; choose one of {', '.join(CANDIDATE_FEATURES)}")
+    if name not in data:
+        raise ValueError(f"the label folders hold no {name} (pad-decoding retrace adds it to search folders)")
+    known = torch.isfinite(data[name].float())
+    if not known.any():
+        raise ValueError(f"no labeled position has a {name}")
+    sub = {k: v[known] for k, v in data.items() if k not in (*OUTCOMES, *WALKS)}
+    labels = sub["label"].long()
+    scores = {"without": out_of_fold(sub, meta, replace(cfg, features=()), folds, progress),
+              "with": out_of_fold(sub, meta, replace(cfg, features=(name,)), folds, progress),
+              name: sub[name].float()}
+    boot = bootstrap(scores, labels, sub["problem"], "without", cfg.bootstrap, cfg.seed)
+    return {"feature": name, "model": cfg.model, "folds": folds, "positions": int(known.sum()),
+            "positions_without_it": int((~known).sum()), "problems": len(sub["problem"].unique()),
+            "pivots": int(labels.sum()),
+            "auroc": {k: auroc(v, labels) for k, v in scores.items()},
+            "auroc_ci": boot["auroc_ci"],
+            "difference": auroc(scores["with"], labels) - auroc(scores["without"], labels),
+            "difference_ci": boot["difference_ci"]["with"], "bootstrap_resamples": cfg.bootstrap}
+
+
+def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), folds: int = 5,
+                   progress: bool = True) -> dict:
+    """Grouped k-fold estimate: problems split into ``folds`` groups; each group's positions are scored by
+    ``train`` run on the other groups (with its own held-out split for early stopping), and AUROC and the
+    sigma table are computed over all these out-of-fold scores together."""
+    problems = data["problem"].unique()
+    prob = out_of_fold(data, meta, cfg, folds, progress)
     labels = data["label"].long()
     # What the classifier must beat: each feature alone, as a score over the same positions. The best is
     # taken over both orientations of each feature (chosen after seeing the labels: kind to the baselines).
@@ -377,7 +428,6 @@ def select_and_train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), f
     """``cfg.model`` mlp or linear: cross-validate, then train it. ``auto``: cross-validate both on the same
     folds and train the one with the higher cross-validated AUROC. -> (classifier, report with
     ``cross_validation`` and, for auto, ``model_selection``)."""
-    from dataclasses import replace
 
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODELS)}")
@@ -460,6 +510,16 @@ def report_markdown(report: dict) -> str:
                       f"{100 * r['accuracy_change']:+.1f} pts | [{100 * r['accuracy_change_ci'][0]:+.1f}, "
                       f"{100 * r['accuracy_change_ci'][1]:+.1f}] |" + (per_k(r["tokens_per_forward"]) if ks else "")
                       for rule in ("pivot@sigma", "threshold@tau") for r in rep[rule]]
+    cmp = report.get("feature_comparison")
+    if cmp:
+        name, auc, aci = cmp["feature"], cmp["auroc"], cmp["auroc_ci"]
+        lines += ["", f"Candidate feature {name} ({cmp['model']}, the same {cmp['folds']} folds of problems, on the "
+                      f"{cmp['positions']} positions that have it, {_count(cmp['problems'], 'problem')}, "
+                      f"{cmp['pivots']} pivots; {cmp['positions_without_it']} positions without it left out): cross-validated AUROC "
+                      f"without it {fmt(auc['without'])} {ci(aci['without'])}, with it {fmt(auc['with'])} "
+                      f"{ci(aci['with'])}; with minus without {cmp['difference']:+.3f}, 95% interval "
+                      f"{ci(cmp['difference_ci'])} ({cmp['bootstrap_resamples']} resamples of problems); {name} alone "
+                      f"as the score {fmt(auc[name])} {ci(aci[name])}."]
     return "\n".join(lines) + "\n"
 
 
