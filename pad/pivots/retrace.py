@@ -139,8 +139,6 @@ def _step(walks: list[Walk], t_logits: torch.Tensor, d_logits: torch.Tensor, eos
                 (gt, dt), w.ties = best, w.ties + 1
             else:
                 w.lost = f"no mismatch at {t}, where a decision is stored"
-        if w.lost is None and (gt != dt) != (t == expected):
-            w.lost = f"the walk left the stored one before {t}"
         plan.append(None if w.lost else (gt, dt, gt != dt))
     decide = [r for r, x in enumerate(plan) if x is not None and x[2]]
     if decide:
