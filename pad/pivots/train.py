@@ -517,8 +517,9 @@ def report_markdown(report: dict) -> str:
                       f"{cmp['positions']} positions that have it, {_count(cmp['problems'], 'problem')}, "
                       f"{cmp['pivots']} pivots; {cmp['positions_without_it']} positions without it left out): cross-validated AUROC "
                       f"without it {fmt(auc['without'])} {ci(aci['without'])}, with it {fmt(auc['with'])} "
-                      f"{ci(aci['with'])}; with minus without {cmp['difference']:+.3f}, 95% interval "
-                      f"{ci(cmp['difference_ci'])} ({cmp['bootstrap_resamples']} resamples of problems); {name} alone "
+                      f"{ci(aci['with'])}; with minus without {cmp['difference']:+.4f}, 95% interval "
+                      f"[{cmp['difference_ci'][0]:+.4f}, {cmp['difference_ci'][1]:+.4f}] "
+                      f"({cmp['bootstrap_resamples']} resamples of problems); {name} alone "
                       f"as the score {fmt(auc[name])} {ci(aci[name])}."]
     return "\n".join(lines) + "\n"
 
