@@ -163,7 +163,7 @@ def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor,
     # host, so there the kernels guard instead: an id out of range reads nothing and gets p = NaN, which
     # no rule accepts (the reference says the same).
     # Under torch.compile the check would be a data-dependent branch; the kernels' guard stands alone there.
-    if device.type == "cpu" and K > 0 and not torch.compiler.is_compiling() \
+    if device.type == "cpu" and draft_tokens.numel() and not torch.compiler.is_compiling() \
             and (draft_tokens.min() < 0 or draft_tokens.max() >= V):
         raise ValueError(f"draft_tokens must lie in [0, {V})")
 

@@ -104,6 +104,22 @@ def test_no_draft_tokens_picks_next_token(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["greedy", "pivot", "kl", "sampling"])
+def test_empty_batch_gives_empty_results(backend, how):
+    """B = 0 (a batch whose rows have all finished) verifies nothing: empty outputs of the right shapes."""
+    from pad_kernels import AcceptRule
+    from pad_kernels.types import empty_result
+
+    K, V = 3, 8
+    kwargs = {"pivot": dict(hidden=torch.zeros(0, K + 1, 4), classifier=_pivot_classifier(0.0), sigma=0.5),
+              "kl": dict(draft_logits=torch.zeros(0, K, V), rule=AcceptRule("kl", 0.5, 1.0)),
+              "sampling": dict(temperature=1.0, draft_probs=torch.zeros(0, K, V))}.get(how, {})
+    res = verify_block(torch.zeros(0, K + 1, V), torch.zeros(0, K, dtype=torch.long), backend=backend, **kwargs)
+    for name, got, want in zip(res._fields, res, empty_result(0, K, "cpu")):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sampling_accepts_when_target_likes_the_token_more(backend):
     """u * q(d) <= p(d): with p(d) >= q(d) the draft token is always accepted, whatever u is."""
     logits = _logits([{2: 3.0}, {2: 3.0}])

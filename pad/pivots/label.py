@@ -179,8 +179,7 @@ def label_problem(target, draft, prompt_ids: torch.Tensor, utility: Callable[[li
         for k, v in (("position", t), ("rate_draft", r_draft), ("rate_target", r_target), ("label", label)):
             rows[k].append(v)
     idx = torch.tensor(keep_idx, dtype=torch.long)
-    divergence = (verify_positions(t_logits[idx], draft_tokens[idx], d_logits[idx]).divergence[:, 0] if len(idx)
-                  else torch.empty(0))
+    divergence = verify_positions(t_logits[idx], draft_tokens[idx], d_logits[idx]).divergence[:, 0]
     return {
         "hidden": hidden[idx].to(torch.float16).contiguous(),
         "token_prob": token_prob[idx].to(torch.float16),
