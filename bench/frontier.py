@@ -78,6 +78,25 @@ def frontier_rows(complete: dict, problems: list[str], seeds: tuple = (None,), r
     return bench.summary_rows(totals, correct, reference)
 
 
+def choose(rows: list[dict], rules: list[str], per_rule: int, reference: str, within: float = 0.02) -> list[str]:
+    """The settings of each rule (a policy's name before ``@``: kl, topk, typical, ...) to report, from its
+    ``frontier_rows`` ranked by acceptance: the most accepting one whose accuracy is at least the ``reference``
+    row's minus ``within``, then the next more accepting ones, then less accepting ones, ``per_rule`` in all.
+    When none is within, the least accepting ones. Returns policy names (the row labels without " K=...")."""
+    accuracy = next(r["accuracy"] for r in rows if r["policy"] == reference)
+    chosen = []
+    for rule in rules:
+        settings = sorted((r for r in rows if r["policy"].split(" K=")[0].split("@")[0] == rule),
+                          key=lambda r: r["acceptance_rate"])
+        if not settings:
+            raise ValueError(f"no complete row of the rule {rule} to choose from")
+        within_reach = [i for i, r in enumerate(settings) if r["accuracy"] >= accuracy - within - 1e-12]
+        first = within_reach[-1] if within_reach else 0
+        order = [*range(first, len(settings)), *range(first - 1, -1, -1)]
+        chosen += [settings[i]["policy"].split(" K=")[0] for i in order[:per_rule]]
+    return chosen
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+", type=Path, help="run logs of pad-decoding bench (*.runs.jsonl)")
@@ -95,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0", help="with --temperature: the seeds pooled (comma-separated)")
     ap.add_argument("--reference", default=None, help="the policy the accuracy differences are against (default: "
                                                       "target when greedy, exact when sampling)")
+    ap.add_argument("--choose", help="comma-separated rules (kl,topk,...): end with the line 'chosen: ...' of "
+                                     "their settings picked against --reference (see choose)")
+    ap.add_argument("--per-rule", type=int, default=1, help="with --choose: settings per rule")
     ap.add_argument("--out", type=Path, help="folder for the table (.md, .csv) and the figure (.png)")
     ap.add_argument("--stem", help="file name stem (default: <task>_<split>_<limit>_frontier_<dtype>; with "
                     "--start, <start>-<last> in place of <limit>)")
@@ -116,6 +138,8 @@ def main(argv=None) -> int:
     sampling = (args.temperature, args.top_p) if args.temperature > 0 else None
     seeds = tuple(int(s) for s in args.seeds.split(",")) if sampling else (None,)
     reference = args.reference or ("exact" if sampling else "target")
+    if args.per_rule < 1:
+        ap.error(f"--per-rule must be at least 1, got {args.per_rule}")
     try:
         complete, partial, machines = collect(records, problems, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                                               batch_size=args.batch_size, classifier=classifier, sampling=sampling,
@@ -149,6 +173,12 @@ def main(argv=None) -> int:
                              + (f"_t{args.temperature:g}" if sampling else ""))
         for path in bench.write(rows, args.out, stem, header, plot=True):
             print(f"wrote {path}")
+    if args.choose:
+        try:
+            print("chosen: " + ",".join(choose(rows, args.choose.split(","), args.per_rule, reference)))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -153,3 +153,26 @@ def test_sampled_frontier_pools_the_seeds_of_each_problem(tmp_path):
     # The greedy table of the same log ignores the sampled runs: only the greedy exact is there, no target.
     proc = _run(log, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--reference", "exact")
     assert proc.returncode == 0 and list(_rows(proc.stdout))[1:] == ["exact K=8"]
+
+
+def test_choose_takes_the_most_accepting_setting_within_two_points_of_the_reference(tmp_path):
+    rng = random.Random(5)
+    n = 5
+    # policy: (problems right, acceptance); exact gets all 5 right, so "within 2 points" is all 5 right here.
+    table = {"exact": (5, 0.5), "kl@0.2": (5, 0.1), "kl@0.5": (5, 0.3), "kl@1": (4, 0.6),
+             "topk@2,0.1": (4, 0.2), "topk@3,0.3": (3, 0.4),  # none within: the least accepting first
+             "typical": (5, 0.5), "typical@0.3,0.6": (5, 0.7), "threshold@0.4": (5, 0.2)}
+    runs = [{**_record(p, pol, 8, rng), "correct": p < right, "drafted": 100, "accepted": round(100 * acc)}
+            for pol, (right, acc) in table.items() for p in range(n)]
+    log = tmp_path / "gsm8k_dev_k8_bfloat16.runs.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    common = (log, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--reference", "exact")
+    for per_rule, want in ((1, "kl@0.5,topk@2,0.1,typical@0.3,0.6,threshold@0.4"),
+                           (2, "kl@0.5,kl@1,topk@2,0.1,topk@3,0.3,typical@0.3,0.6,typical,threshold@0.4")):
+        proc = _run(*common, "--choose", "kl,topk,typical,threshold", "--per-rule", per_rule)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines()[-1] == f"chosen: {want}"
+    proc = _run(*common, "--choose", "kl,fly")
+    assert proc.returncode == 1 and "no complete row of the rule fly" in proc.stderr
+    proc = _run(*common, "--choose", "kl", "--per-rule", 0)
+    assert proc.returncode == 2 and "--per-rule must be" in proc.stderr
