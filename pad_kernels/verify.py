@@ -196,9 +196,9 @@ def verify_block(
     from which ``divergence`` (KL(p || q)) is computed in the same pass; the kl rule needs them.
     ``num_drafts``: rows that stopped drafting early (positions from ``num_drafts[b]`` on are padding, never
     accepted; the token after a row's last draft is its bonus).
-    ``K = 0`` is allowed: it only picks the next token (autoregressive decoding). ``out``: caller-owned
-    outputs to write (contiguous, the shapes and dtypes of ``VerifyResult`` on the logits' device), or a
-    ``Workspace`` to take them from; nothing is allocated for the outputs then.
+    ``K = 0`` is allowed: it only picks the next token (autoregressive decoding); so is ``B = 0`` (empty results).
+    ``out``: caller-owned outputs to write (contiguous, the shapes and dtypes of ``VerifyResult`` on the logits'
+    device), or a ``Workspace`` to take them from; nothing is allocated for the outputs then.
     """
     if temperature > 0:
         B, K1, V = target_logits.shape
