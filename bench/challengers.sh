@@ -15,7 +15,7 @@ common=(-k 8 --max-new-tokens 512 --dtype bfloat16 --threads 2 --batch-size 16 -
 pad-decoding bench --task gsm8k --split train --start 7000 --limit 7096 "${common[@]}" \
   --policies kl@0.2,kl@0.5,kl@1,topk@2,0.1,topk@3,0.3,topk@5,0.5,typical,typical@0.3,0.6,threshold@0.4,threshold@0.2
 python bench/frontier.py bench/results/gsm8k_train_k8_bfloat16.runs.jsonl --split train --start 7000 --limit 7096 \
-  --batch-size 16 --reference exact --out bench/results
+  --batch-size 16 --reference exact --out bench/results/challengers
 
 # The settings step 1 chooses (bench/frontier.py's choose): of each rule, the most accepting setting whose
 # accuracy is within 2 points of exact's, then the next more accepting one.
@@ -28,14 +28,16 @@ best=$(choose typical,threshold,kl,topk 1)
 [[ -n $two && -n $best ]] || { echo "step 1 is incomplete: no settings to choose from" >&2; exit 1; }
 echo "chosen: greedy tables $two; sampled table $best"
 
-# 2. The greedy dev tables at K = 8: the chosen settings join the rows already logged (same decode path).
+# 2. The greedy dev tables at K = 8: the chosen settings join the rows already logged (same decode path). The
+#    tables (bench/results/challengers/) take the shipped classifier's pivot rows; the older tables in
+#    bench/results/ stay those of the classifier before it (docs/results.md).
 run=(pad-decoding bench -k 8 --dtype bfloat16 --threads 2 --batch-size 16)
 "${run[@]}" --task gsm8k --limit 200 --max-new-tokens 512 --out bench/results --policies "$two"
 "${run[@]}" --task humaneval --limit 80 --max-new-tokens 384 --out bench/results --policies "$two"
 python bench/frontier.py bench/results/gsm8k_dev_k8_bfloat16.runs.jsonl \
-  bench/results/gsm8k_dev_k16_bfloat16.runs.jsonl --limit 200 --batch-size 16 --out bench/results
+  bench/results/gsm8k_dev_k16_bfloat16.runs.jsonl --limit 200 --batch-size 16 --out bench/results/challengers
 python bench/frontier.py bench/results/humaneval_dev_k8_bfloat16.runs.jsonl --limit 80 --max-new-tokens 384 \
-  --batch-size 16 --out bench/results
+  --batch-size 16 --out bench/results/challengers
 #    Tokens/s side by side (the dev rows were timed on other days): one batch, every rule, one process.
 "${run[@]}" --task gsm8k --start 96 --limit 112 --max-new-tokens 512 --out bench/results/side_by_side \
   --policies "target,exact,pivot@0.3,threshold@0.2,typical,$two"
@@ -47,4 +49,4 @@ for seed in 0 1 2; do
     --seed "$seed" --policies "target,exact,pivot@0.3,$best"
 done
 python bench/frontier.py bench/results/gsm8k_dev_k8_bfloat16_t0.7.runs.jsonl --limit 100 --batch-size 16 \
-  --temperature 0.7 --top-p 1.0 --seeds 0,1,2 --out bench/results
+  --temperature 0.7 --top-p 1.0 --seeds 0,1,2 --out bench/results/challengers
