@@ -290,6 +290,13 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
                                                   gained_vs_target=0)]
     assert 66 / 80 - (67 / 80 - 1 / 80) < 0
     assert bench.write(edge, tmp_path, "edge", "header line", plot=True)[2].read_bytes()[:4] == b"\x89PNG"
+    # rows timed on machines of different speeds have no tokens/s: that panel is left out, not drawn empty
+    assert [key for key, _ in bench.plot_axes(rows)] == ["tokens_per_s", "mean_accepted_length"]
+    untimed = [dict(r, tokens_per_s=nan, speedup_vs_target=nan) for r in rows]
+    assert [key for key, _ in bench.plot_axes(untimed)] == ["mean_accepted_length"]
+    assert [key for key, _ in bench.plot_axes(untimed[:1] + rows[1:2])] == ["tokens_per_s", "mean_accepted_length"]
+    png = bench.write(untimed, tmp_path, "untimed", "header line", plot=True)[2].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[16:20] < paths[2].read_bytes()[16:20]  # narrower: one panel
 
 
 def test_coinciding_points_share_one_label():

@@ -656,8 +656,16 @@ def rule_curves(rows, key: str) -> dict[tuple[str, str], list[tuple[float, float
     return {rule_k: sorted(points) for rule_k, points in curves.items() if len(points) > 1}
 
 
+def plot_axes(rows) -> list[tuple[str, str]]:
+    """The (row key, axis label) of each panel of the frontier plot: accuracy against tokens/s and against tokens
+    per target forward, leaving out tokens/s when no row has it (rows timed on machines of different speeds),
+    so that no panel is drawn empty."""
+    axes = [("tokens_per_s", "tokens/s"), ("mean_accepted_length", "tokens per target forward")]
+    return [(key, label) for key, label in axes if any(not _missing(r[key]) for r in rows)] or axes[1:]
+
+
 def _plot(rows, path: Path, title: str) -> Path:
-    """Accuracy against tokens/s and against tokens per target forward, every policy one point (its paired
+    """Accuracy against each of ``plot_axes``, every policy one point (its paired
     interval as an error bar, shifted by the target's accuracy); target and exact marked, the settings of one
     rule in one colour and joined by a line (one line per K)."""
     try:
@@ -669,9 +677,10 @@ def _plot(rows, path: Path, title: str) -> Path:
         raise PadError("--plot needs matplotlib (pip install matplotlib)") from None
     target = next((r for r in rows if r["policy"] == "target"), None)
     colours: dict[str, str] = {}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
-    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"),
-                           (axes[1], "mean_accepted_length", "tokens per target forward")):
+    panels = plot_axes(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), sharey=True, squeeze=False)
+    axes = list(axes[0])
+    for ax, (key, label) in zip(axes, panels):
         for r in rows:
             x, y = r[key], r["accuracy"]
             if _missing(x):
@@ -696,7 +705,7 @@ def _plot(rows, path: Path, title: str) -> Path:
     fig.suptitle(title.splitlines()[0][:120], fontsize=8)
     fig.tight_layout()
     fig.canvas.draw()  # the final layout and limits: where each point lands, in points
-    for ax, key in ((axes[0], "tokens_per_s"), (axes[1], "mean_accepted_length")):
+    for ax, (key, _) in zip(axes, panels):
         labels = point_labels(rows, key)
         anchors = [tuple(v * 72 / fig.dpi for v in ax.transData.transform((x, y))) for x, y, _ in labels]
         sizes = [(0.55 * 7 * len(text), 7 * 1.15) for _, _, text in labels]  # about, at fontsize 7
