@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 import time
 import zlib
 from dataclasses import dataclass
@@ -702,7 +703,7 @@ def _plot(rows, path: Path, title: str) -> Path:
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (bar: paired 95% interval vs target)")
-    fig.suptitle(title.splitlines()[0][:120], fontsize=8)
+    fig.suptitle(textwrap.fill(title.splitlines()[0][:160], 85 * len(panels)), fontsize=8)  # one panel: 2 lines
     fig.tight_layout()
     fig.canvas.draw()  # the final layout and limits: where each point lands, in points
     for ax, (key, _) in zip(axes, panels):
