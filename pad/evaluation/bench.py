@@ -666,9 +666,9 @@ def plot_axes(rows) -> list[tuple[str, str]]:
 
 
 def _plot(rows, path: Path, title: str) -> Path:
-    """Accuracy against each of ``plot_axes``, every policy one point (its paired
-    interval as an error bar, shifted by the target's accuracy); target and exact marked, the settings of one
-    rule in one colour and joined by a line (one line per K)."""
+    """Accuracy against each of ``plot_axes``, every policy one point (its paired interval as an error bar,
+    shifted by the target's accuracy); target and exact marked, the settings of one rule in one colour and
+    joined by a line (one line per K)."""
     try:
         import matplotlib
 
