@@ -299,6 +299,29 @@ def test_table_and_plot_show_the_paired_difference(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[16:20] < paths[2].read_bytes()[16:20]  # narrower: one panel
 
 
+def test_interval_bars_sit_on_the_reference_accuracy():
+    # A sampled table's differences are against exact, not the target: the bar of a row is exact's accuracy
+    # plus the interval of the row's difference from exact (a bar placed on the target's accuracy, 0.10 lower
+    # here, would put every interval 10 points too low).
+    def row(policy, accuracy, low, high, reference):
+        return {"policy": policy, "accuracy": accuracy, "accuracy_vs_target_low": low,
+                "accuracy_vs_target_high": high, "reference": reference}
+
+    rows = [row("target", 0.50, -0.20, 0.02, "exact K=8"), row("exact K=8", 0.60, 0.0, 0.0, "exact K=8"),
+            row("kl@0.2 K=8", 0.55, -0.12, 0.03, "exact K=8"), row("fly K=8", 0.4, float("nan"), float("nan"),
+                                                                  "exact K=8")]
+    bounds = bench.interval_bounds(rows)
+    assert set(bounds) == {"target", "kl@0.2 K=8"}  # not the reference itself, not a row without an interval
+    assert bounds["target"] == pytest.approx((0.40, 0.62)) and bounds["kl@0.2 K=8"] == pytest.approx((0.48, 0.63))
+    # each bar holds its point when the difference is the row's accuracy minus the reference's
+    assert all(lo <= r["accuracy"] <= hi for r in rows if r["policy"] in bounds for lo, hi in [bounds[r["policy"]]])
+    # a greedy table's reference is the target (older rows carry no reference: the target too)
+    greedy = [dict(r, reference="target") for r in rows[:1]] + [
+        {k: v for k, v in row("exact K=8", 0.60, -0.05, 0.25, "target").items() if k != "reference"}]
+    greedy_bounds = bench.interval_bounds(greedy)
+    assert list(greedy_bounds) == ["exact K=8"] and greedy_bounds["exact K=8"] == pytest.approx((0.45, 0.75))
+
+
 def test_coinciding_points_share_one_label():
     rows = [{"policy": name, "accuracy": acc, "tokens_per_s": tps}
             for name, acc, tps in (("target", 0.5, 4.0), ("exact", 0.5, 7.001), ("pivot@0.15", 0.5, 6.999),

@@ -665,10 +665,24 @@ def plot_axes(rows) -> list[tuple[str, str]]:
     return [(key, label) for key, label in axes if any(not _missing(r[key]) for r in rows)] or axes[1:]
 
 
+def interval_bounds(rows) -> dict[str, tuple[float, float]]:
+    """{policy: (low, high)}: where each row's paired 95% interval of its accuracy difference from the reference
+    (``summary_rows``' ``reference``, the row of that policy) lands on the accuracy axis, that is the reference's
+    accuracy plus the interval's ends; the reference row itself and rows without an interval are left out."""
+    accuracy = {r["policy"]: r["accuracy"] for r in rows}
+    bounds = {}
+    for r in rows:
+        base = accuracy.get(r.get("reference", "target"), math.nan)
+        low, high = r.get("accuracy_vs_target_low", math.nan), r.get("accuracy_vs_target_high", math.nan)
+        if r["policy"] != r.get("reference", "target") and not math.isnan(base) and not math.isnan(low):
+            bounds[r["policy"]] = (base + low, base + high)
+    return bounds
+
+
 def _plot(rows, path: Path, title: str) -> Path:
     """Accuracy against each of ``plot_axes``, every policy one point (its paired interval as an error bar,
-    shifted by the target's accuracy); target and exact marked, the settings of one rule in one colour and
-    joined by a line (one line per K)."""
+    ``interval_bounds``); target and exact marked, the settings of one rule in one colour and joined by a line
+    (one line per K)."""
     try:
         import matplotlib
 
@@ -676,7 +690,8 @@ def _plot(rows, path: Path, title: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PadError("--plot needs matplotlib (pip install matplotlib)") from None
-    target = next((r for r in rows if r["policy"] == "target"), None)
+    bounds = interval_bounds(rows)
+    reference = next((r.get("reference", "target") for r in rows), "target")
     colours: dict[str, str] = {}
     panels = plot_axes(rows)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), sharey=True, squeeze=False)
@@ -690,20 +705,19 @@ def _plot(rows, path: Path, title: str) -> Path:
             style = {"target": dict(marker="s", s=70, c="black"), "exact": dict(marker="D", s=60, c="tab:red")}.get(
                 rule, dict(marker="o", s=35, c=colours.setdefault(rule, PALETTE[len(colours) % len(PALETTE)])))
             ax.scatter(x, y, zorder=3, **style)
-            if target is not None and not math.isnan(r.get("accuracy_vs_target_low", math.nan)):
-                base = target["accuracy"]
+            if r["policy"] in bounds:
+                low, high = bounds[r["policy"]]
                 # an interval ending at the point itself (no problem went the other way) can land 1 ulp past
                 # it in float, and matplotlib refuses negative error lengths
-                ax.errorbar(x, y, yerr=[[max(0.0, y - (base + r["accuracy_vs_target_low"]))],
-                                        [max(0.0, base + r["accuracy_vs_target_high"] - y)]],
+                ax.errorbar(x, y, yerr=[[max(0.0, y - low)], [max(0.0, high - y)]],
                             fmt="none", ecolor="grey", alpha=0.5, zorder=2)
         for (rule, _), points in rule_curves(rows, key).items():
             xs, ys = zip(*points)
             ax.plot(xs, ys, c=colours[rule], lw=0.8, alpha=0.6, zorder=1)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy (bar: paired 95% interval vs target)")
-    fig.suptitle(textwrap.fill(title.splitlines()[0][:160], 85 * len(panels)), fontsize=8)  # one panel: 2 lines
+    axes[0].set_ylabel(f"accuracy (bar: paired 95% interval vs {reference})")
+    fig.suptitle(textwrap.fill(title.splitlines()[0], 85 * len(panels)), fontsize=8)
     fig.tight_layout()
     fig.canvas.draw()  # the final layout and limits: where each point lands, in points
     for ax, (key, _) in zip(axes, panels):
