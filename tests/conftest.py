@@ -1,6 +1,11 @@
 import importlib.util
 import os
 
+# One thread per pytest-xdist worker: two workers on two cores, each with a thread pool the size of the machine,
+# would contend for the cores (OpenMP threads spin while they wait). Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 # The Triton interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

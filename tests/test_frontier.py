@@ -1,9 +1,13 @@
 """bench/frontier.py: the frontier table over the run logs of several K, against sums worked out here."""
+import contextlib
+import importlib.util
+import io
 import json
 import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,9 +29,26 @@ def _record(problem, policy, k, rng, **settings):
             "batch_size": 4, "peak_mib": 100.0}
 
 
-def _run(*args):
+def _run_command(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                           timeout=300)
+
+
+_spec = importlib.util.spec_from_file_location("frontier_script", SCRIPT)
+frontier = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(frontier)
+
+
+def _run(*args):
+    """The script's main() in this process (a new interpreter costs seconds of imports per call); what a
+    command would return: its exit code, stdout and stderr (argparse's errors exit with 2)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = frontier.main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def _rows(md: str) -> dict[str, list[str]]:
@@ -37,6 +58,7 @@ def _rows(md: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_frontier_joins_the_logs_of_two_k(tmp_path, seed):
+    """Seed 0 runs the script as a command (its imports from the tree), seed 1 its main() in this process."""
     rng = random.Random(seed)
     n = 5  # the problems of the sample file
     k8 = [_record(p, pol, 8, rng) for p in range(n) for pol in ("target", "exact", "pivot@0.15")]
@@ -50,8 +72,8 @@ def test_frontier_joins_the_logs_of_two_k(tmp_path, seed):
     for name, records in (("gsm8k_dev_k8_bfloat16.runs.jsonl", k8), ("gsm8k_dev_k16_bfloat16.runs.jsonl", k16)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
         logs.append(tmp_path / name)
-    proc = _run(*logs, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--out", tmp_path,
-                "--stem", "f")
+    proc = (_run_command if seed == 0 else _run)(*logs, "--data", SAMPLE, "--limit", n, "--batch-size", 4,
+                                                "--classifier", CLF, "--out", tmp_path, "--stem", "f")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(proc.stdout)
     assert list(rows)[1:] == ["target", "exact K=8", "pivot@0.15 K=8", "exact K=16", "fly@0.3,6 K=16"]

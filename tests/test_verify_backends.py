@@ -124,20 +124,31 @@ def tier(backend, V):
     """The slow tier takes the large vocabularies of the simulated kernels (the Triton interpreter, the
     CUDA kernels emulated block by block): their small shapes keep every backend in the fast tier."""
     return [pytest.mark.slow] if backend in ("triton", "cuda-emulated") and V >= 32000 else []
-# The Triton interpreter runs a kernel as numpy code, about a second per program over 151936 logits: it
-# gets a covering subset instead of the full product: per dtype every V, every K and both (B, H).
+# The Triton interpreter runs a kernel as numpy code, about a second per program over 151936 logits: it gets a
+# covering subset instead of the full product. Its kernels read the vocabulary in chunks of 1024 logits, masked
+# at the tail, so V = 1271 (a full chunk and a tail) takes every path that a larger V takes: per dtype one shape
+# at V = 1271 (together every K and both (B, H)), and one full-vocabulary case per path (greedy, sampling) in
+# the slow tier (TRITON_FULL_VOCABULARY).
 TRITON_SHAPES = {
-    torch.float32: [(1, 64, 1, 1271), (3, 896, 4, 32000), (1, 64, 10, 151936)],
-    torch.bfloat16: [(3, 896, 10, 1271), (1, 64, 1, 32000), (3, 896, 4, 151936)],
-    torch.float16: [(1, 64, 4, 1271), (3, 896, 10, 32000), (1, 64, 1, 151936)],
+    torch.float32: [(1, 64, 1, 1271)],
+    torch.bfloat16: [(3, 896, 10, 1271)],
+    torch.float16: [(1, 64, 4, 1271)],
 }
+TRITON_FULL_VOCABULARY = {False: (torch.float32, (1, 64, 10, 151936)), True: (torch.bfloat16, (3, 896, 4, 151936))}
+
+
+def _shapes(backend, sampling, dtype):
+    if backend != "triton":
+        return SHAPES
+    full_dtype, full_shape = TRITON_FULL_VOCABULARY[sampling]
+    return TRITON_SHAPES[dtype] + ([full_shape] if dtype == full_dtype else [])
 
 
 def _cases():
     for backend in KERNELS:
         for sampling in (False, True):
             for dtype in DTYPES:
-                for shape in SHAPES if backend != "triton" else TRITON_SHAPES[dtype]:
+                for shape in _shapes(backend, sampling, dtype):
                     yield pytest.param(backend, sampling, dtype, *shape, marks=tier(backend, shape[3]),
                                        id=f"{backend}-{'sampling' if sampling else 'greedy'}-{dtype}-B{shape[0]}"
                                           f"-H{shape[1]}-K{shape[2]}-V{shape[3]}")
@@ -197,10 +208,13 @@ def test_generate_is_token_identical_with_every_backend(backend, temperature):
             assert got.stats.relaxed_accepted == expected.stats.relaxed_accepted
 
 
-@pytest.mark.parametrize("backend", available_backends("cpu"))
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.slow] if b == "triton" else [])
+                                     for b in available_backends("cpu")])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_registered_op_passes_opcheck(backend, temperature):
-    """torch.ops.pad_kernels.verify_block: schema, fake (meta) implementation and dispatch are consistent."""
+    """torch.ops.pad_kernels.verify_block: schema, fake (meta) implementation and dispatch are consistent.
+    The op's registration does not depend on the backend argument: Triton (7 s a case in its interpreter) is
+    in the slow tier; Triton's hand-made cases (test_verify_cases.py) call it through this op in the fast one."""
     from pad_kernels.verify import verify_block_op
 
     args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3, draft_logits=True)
@@ -253,17 +267,35 @@ RULE_SETTINGS = [AcceptRule.typical(), AcceptRule.typical(0.3, 0.05), AcceptRule
                  AcceptRule.topk(3, 0.3), AcceptRule.topk(8, 1.0)]
 EXACT_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.threshold(1.0), AcceptRule.fly(float("inf"), 6),
                   AcceptRule.kl(float("inf"), 0.0), AcceptRule.topk(0, 1.0), AcceptRule.topk(1, 1.0)]
-RULE_SHAPES = [(1, 64, 10, 1271), (3, 896, 4, 32000), (3, 64, 10, 151936)]
+# One shape per dtype. The C++ backend reads the vocabulary in chunks of 2048 logits: V = 4480 takes the path of
+# V = 151936 (whole chunks, then a last one of 384 logits, whole vectors), which RULE_FULL_VOCABULARY keeps for
+# one rule per path (greedy, sampling) and backend.
+RULE_SHAPES = [(1, 64, 10, 1271), (3, 896, 4, 32000), (3, 64, 10, 4480)]
+RULE_FULL_VOCABULARY = [(AcceptRule.kl(0.5), False, torch.float16, (3, 64, 10, 151936)),
+                        (AcceptRule.topk(3, 0.3), True, torch.float16, (3, 64, 10, 151936))]
+# Triton (its interpreter): every rule at V = 1271 (a chunk of 1024 and a tail) in fp32, in bf16 in the slow
+# tier, and one rule at the full vocabulary (the divergence and the rank are summed over V on every rule here).
+TRITON_RULE_SHAPES = [(torch.float32, (1, 64, 10, 1271), []), (torch.bfloat16, (3, 896, 4, 1271), [pytest.mark.slow])]
+TRITON_RULE_FULL_VOCABULARY = [(AcceptRule.topk(3, 0.3), False, torch.float32, (1, 64, 4, 151936))]
 
 
 def _rule_cases():
+    def param(backend, rule, sampling, dtype, shape, marks):
+        return pytest.param(backend, rule, sampling, dtype, *shape, marks=marks,
+                            id=f"{backend}-{rule.name}@{rule.a:g},{rule.b:g}-"
+                               f"{'sampling' if sampling else 'greedy'}-{dtype}-B{shape[0]}-K{shape[2]}-V{shape[3]}")
+
     for backend in KERNELS:
         for rule in RULE_SETTINGS:
             for sampling in (False, True) if rule.name != "fly" else (False,):
-                for dtype, shape in zip(DTYPES, RULE_SHAPES if backend != "triton" else RULE_SHAPES[:2]):
-                    yield pytest.param(backend, rule, sampling, dtype, *shape, marks=tier(backend, shape[3]),
-                                       id=f"{backend}-{rule.name}@{rule.a:g},{rule.b:g}-"
-                                          f"{'sampling' if sampling else 'greedy'}-{dtype}-B{shape[0]}-K{shape[2]}-V{shape[3]}")
+                if backend == "triton":
+                    for dtype, shape, marks in TRITON_RULE_SHAPES:
+                        yield param(backend, rule, sampling, dtype, shape, marks)
+                else:
+                    for dtype, shape in zip(DTYPES, RULE_SHAPES):
+                        yield param(backend, rule, sampling, dtype, shape, tier(backend, shape[3]))
+        for rule, sampling, dtype, shape in TRITON_RULE_FULL_VOCABULARY if backend == "triton" else RULE_FULL_VOCABULARY:
+            yield param(backend, rule, sampling, dtype, shape, tier(backend, shape[3]))
 
 
 @pytest.mark.parametrize("backend,rule,sampling,dtype,B,H,K,V", list(_rule_cases()))
@@ -298,9 +330,10 @@ EXACT_SAMPLING_SETTINGS = [AcceptRule.typical(1.0, float("inf")), AcceptRule.kl(
                          [(r, False) for r in EXACT_SETTINGS] + [(r, True) for r in EXACT_SAMPLING_SETTINGS],
                          ids=lambda v: f"{v.name}@{v.a:g},{v.b:g}" if isinstance(v, AcceptRule) else str(v))
 def test_each_rule_has_a_setting_that_equals_exact(backend, rule, sampling):
+    """Three seeds of three rows; Triton's interpreter (half a second a call) one seed."""
     from pad_kernels import verify_block
 
-    for seed in range(3):
+    for seed in range(1 if backend == "triton" else 3):
         args, kwargs = make_case(3, 6, 1271, 64, torch.float32, sampling, seed=seed, draft_logits=True)
         logits, drafts = args[:2]
         if not sampling:
@@ -339,10 +372,22 @@ def _split_params(backend_splits):
             for b, s in backend_splits]
 
 
-@pytest.mark.parametrize("backend,splits", _split_params([(b, s) for b in SPLIT for s in (1, 2, 7, 64)]))
-@pytest.mark.parametrize("sampling", [False, True])
-@pytest.mark.parametrize("rule", [AcceptRule.typical(0.3, 0.05), AcceptRule.kl(0.5), AcceptRule.topk(3, 0.3)],
-                         ids=lambda r: r.name)
+SPLIT_RULES = [AcceptRule.typical(0.3, 0.05), AcceptRule.kl(0.5), AcceptRule.topk(3, 0.3)]
+
+
+def _rule_split_cases():
+    """Every rule x sampling x S; Triton's interpreter (about a second a case) has one S of 1, 2 and 7 per
+    (rule, sampling) in turn in the fast tier (each S twice), the other S in the slow tier."""
+    for b in SPLIT:
+        for r, rule in enumerate(SPLIT_RULES):
+            for sampling in (False, True):
+                for splits in (1, 2, 7, 64):
+                    slow = b == "triton" and splits != (1, 2, 7)[(r + sampling) % 3]
+                    yield pytest.param(b, splits, sampling, rule, marks=[pytest.mark.slow] if slow else [],
+                                       id=f"{rule.name}-{sampling}-{splits}-{b}")
+
+
+@pytest.mark.parametrize("backend,splits,sampling,rule", list(_rule_split_cases()))
 def test_vocabulary_splits_match_reference(backend, splits, sampling, rule):
     """Fresh inputs, outputs poisoned, the classifier and a relaxed rule on, for S slices per position; the
     draft's logits too (the divergence's and the rank's parts are merged across slices)."""
@@ -383,17 +428,29 @@ def test_vocabulary_split_boundaries(backend, splits):
 
 def _split_cases():
     """Every shape of the backend tests above, every dtype, greedy and sampling in turn: the CUDA kernels
-    (emulated) with S in {1, 2, 7, 64} each; Triton's covering subset with one S each, in turn (its interpreter
+    (emulated) with S in {1, 2, 7, 64} each at V = 1271 and one S in turn at V >= 32000 (every V with the
+    slices planned for an H100 is test_backend_matches_reference); Triton's covering subset with one S each, in turn (its interpreter
     runs about 20 ms per program: every S on every shape would add 7 minutes; every S on one shape is
-    ``test_vocabulary_splits_match_reference``, and S = 1 is Triton's default on a CPU, tested above)."""
+    ``test_vocabulary_splits_match_reference``, and S = 1 is Triton's default on a CPU, tested above), and one
+    sampled case at the full vocabulary (slices of 2374 logits: whole chunks and a tail in every slice)."""
+    def param(backend, splits, sampling, dtype, shape):
+        return pytest.param(backend, splits, sampling, dtype, *shape, marks=tier(backend, shape[3]),
+                            id=f"{backend}-S{splits}-{'sampling' if sampling else 'greedy'}-{dtype}"
+                               f"-B{shape[0]}-H{shape[1]}-K{shape[2]}-V{shape[3]}")
+
     for backend in SPLIT:
         for d, dtype in enumerate(DTYPES):
             for n, shape in enumerate(SHAPES if backend != "triton" else TRITON_SHAPES[dtype]):
-                for m, splits in enumerate([1, 2, 7, 64] if backend != "triton" else [[2, 7, 64][(n + d) % 3]]):
-                    sampling = (n + m + d) % 2 == 1
-                    yield pytest.param(backend, splits, sampling, dtype, *shape, marks=tier(backend, shape[3]),
-                                       id=f"{backend}-S{splits}-{'sampling' if sampling else 'greedy'}-{dtype}"
-                                          f"-B{shape[0]}-H{shape[1]}-K{shape[2]}-V{shape[3]}")
+                if backend == "triton":
+                    every = [[2, 7, 64][(n + d) % 3]]
+                elif shape[3] >= 32000:  # the emulated kernels' slow tier: one S per large shape, in turn
+                    every = [[1, 2, 7, 64][(n + d) % 4]]
+                else:
+                    every = [1, 2, 7, 64]
+                for m, splits in enumerate(every):
+                    yield param(backend, splits, (n + m + d) % 2 == 1, dtype, shape)
+        if backend == "triton":
+            yield param(backend, 64, True, torch.float16, (1, 64, 1, 151936))
 
 
 @pytest.mark.parametrize("backend,splits,sampling,dtype,B,H,K,V", list(_split_cases()))

@@ -1,0 +1,126 @@
+"""Where the test suite's time goes: the slowest tests of every tier, with their share of the total.
+
+Each tier runs once with ``--junitxml`` (or its XML is given), and the table of the slowest tests (setup, call
+and teardown summed per test, as JUnit XML records them) replaces the part of CONTRIBUTING.md between the
+markers ``<!-- durations:begin -->`` and ``<!-- durations:end -->``:
+
+    python bench/suite_durations.py --run --write CONTRIBUTING.md        # every tier here (the vLLM tier needs vLLM)
+    python bench/suite_durations.py fast=f.xml slow=s.xml --top 30       # tables of runs made elsewhere (.ci/run)
+
+Run it with nothing else on the machine: a second job halves every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Each tier's pytest arguments, as CONTRIBUTING.md's "Tests" names them.
+TIERS = {"fast": ["-m", "not slow and not toolchain"], "slow": ["-m", "slow"], "toolchain": ["-m", "toolchain"],
+         "vllm": ["-m", "", "tests/vllm_plugin"]}
+BEGIN, END = "<!-- durations:begin -->", "<!-- durations:end -->"
+
+
+def read_junit(path: Path) -> list[tuple[str, float]]:
+    """(test id, seconds) of every test case in a JUnit XML file, in file order."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        cases.append((f"{module}.py::{case.get('name')}", float(case.get("time", 0.0))))
+    return cases
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else \
+        "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{os.cpu_count()}-core {name}, {isa}"
+
+
+def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], top: int, command: str) -> str:
+    """Markdown: per tier its tests and seconds, then the ``top`` slowest tests of all tiers."""
+    totals = {name: sum(t for _, t in cases) for name, cases in tiers.items()}
+    everything = sum(totals.values())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    lines = [f"Measured {datetime.date.today()} on a {_cpu()}, commit {commit.stdout.strip() or '?'}, by "
+             f"`{command}`. Seconds are each test's setup, call and teardown summed (pytest's JUnit XML); a "
+             "tier's wall time is shorter where its tests ran on several workers.", "",
+             "| tier | tests | seconds of tests | wall seconds |", "|---|---|---|---|"]
+    for name, cases in tiers.items():
+        wall = f"{walls[name]:.0f}" if name in walls else "not timed here"
+        lines.append(f"| {name} | {len(cases)} | {totals[name]:.0f} | {wall} |")
+    lines += ["", f"The {top} slowest tests:", "", "| # | test | tier | seconds | share of its tier | share of all |",
+              "|---|---|---|---|---|---|"]
+    ranked = sorted(((t, test, name) for name, cases in tiers.items() for test, t in cases), reverse=True)[:top]
+    for i, (t, test, name) in enumerate(ranked, 1):
+        lines.append(f"| {i} | `{test}` | {name} | {t:.1f} | {100 * t / totals[name]:.1f}% | "
+                     f"{100 * t / everything:.1f}% |")
+    return "\n".join(lines)
+
+
+def write(path: Path, text: str) -> None:
+    """Replace what lies between the markers in ``path`` with ``text``."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} section to replace")
+    head, rest = doc.split(BEGIN, 1)
+    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("xml", nargs="*", help="TIER=junit.xml of runs made elsewhere")
+    ap.add_argument("--run", action="store_true", help="run the fast, slow and toolchain tiers here (and the vLLM "
+                                                       "tier where vLLM is installed)")
+    ap.add_argument("--pytest-args", default="", help="more arguments for every tier's pytest (e.g. '-n 2')")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--write", type=Path, help="the file whose durations section is replaced (CONTRIBUTING.md)")
+    args = ap.parse_args(argv)
+    tiers: dict[str, list[tuple[str, float]]] = {}
+    walls: dict[str, float] = {}
+    for item in args.xml:
+        name, _, path = item.partition("=")
+        if not path:
+            ap.error(f"give TIER=junit.xml, got {item!r}")
+        tiers[name] = read_junit(Path(path))
+    if args.run:
+        import importlib.util
+
+        names = [n for n in TIERS if n != "vllm" or importlib.util.find_spec("vllm") is not None]
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in names:
+                xml = Path(tmp) / f"{name}.xml"
+                start = time.monotonic()
+                # `pytest`, not `python -m pytest`: the installed package, not the source tree, is imported.
+                proc = subprocess.run(["pytest", "-q", "-p", "no:cacheprovider", *TIERS[name], *args.pytest_args.split(),
+                                       f"--junitxml={xml}"], cwd=ROOT)
+                walls[name] = time.monotonic() - start
+                if proc.returncode != 0:
+                    print(f"the {name} tier failed (exit {proc.returncode}): no table", file=sys.stderr)
+                    return proc.returncode
+                tiers[name] = read_junit(xml)
+    if not tiers:
+        ap.error("give TIER=junit.xml files or --run")
+    command = "python bench/suite_durations.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(tiers, walls, args.top, command)
+    print(text)
+    if args.write:
+        write(args.write, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
