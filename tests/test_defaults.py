@@ -57,3 +57,23 @@ def test_dependency_floors_are_the_versions_ci_proves():
     for name, floor in (("torch", "2.13"), ("transformers", "5.19")):
         assert deps[name].startswith(f"{name}>={floor}"), deps[name]
         assert f"{name}=={floor}.0" in ci, f".ci/run does not install {name} at its floor {floor}"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run sets up and runs the fast tier as the README's test command does, step by step (CI adds only -q
+    to pip, the floor of transformers and a JUnit file), before the other tiers."""
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("Set up and pass the tests", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    steps = command.split(" && ")
+    assert steps[-1].startswith("PAD_REQUIRE_SANDBOX=1 PAD_REQUIRE_CPU_EXTENSION=1 pytest -q -n auto")
+    assert " -m " not in steps[-1]  # the fast tier: pyproject's addopts
+    ci = [line.replace(" -q", "") for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line and not line.lstrip().startswith("#")]
+    at = 0
+    for step in steps:
+        step = step.replace(" -q", "")
+        found = [i for i, line in enumerate(ci) if i >= at and step in line]
+        assert found, f".ci/run has no line running the README's step {step!r} after line {at}"
+        at = found[0]
+    assert ci[at].endswith("--junitxml=\"$junit/fast.xml\"") and "-m" not in ci[at]
+    assert any(" -m slow " in line for line in ci[at:]) and any(" -m toolchain " in line for line in ci[at:])
