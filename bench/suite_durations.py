@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each tier's pytest arguments, as CONTRIBUTING.md's "Tests" names them.
 TIERS = {"fast": ["-m", "not slow and not toolchain"], "slow": ["-m", "slow"], "toolchain": ["-m", "toolchain"],
          "vllm": ["-m", "", "tests/vllm_plugin"]}
-BEGIN, END = "<!-- durations:begin -->", "<!-- durations:end -->"
 
 
 def read_junit(path: Path) -> list[tuple[str, float]]:
@@ -71,13 +70,14 @@ def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], to
     return "\n".join(lines)
 
 
-def write(path: Path, text: str) -> None:
-    """Replace what lies between the markers in ``path`` with ``text``."""
+def replace_section(path: Path, name: str, text: str) -> None:
+    """Replace what lies between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in ``path`` with ``text``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} section to replace")
-    head, rest = doc.split(BEGIN, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path} has no {begin} ... {end} section to replace")
+    head, rest = doc.split(begin, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
 def main(argv=None) -> int:
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     text = table(tiers, walls, args.top, command)
     print(text)
     if args.write:
-        write(args.write, text)
+        replace_section(args.write, "durations", text)
     return 0
 
 
