@@ -72,6 +72,38 @@ def test_sigma_one_floor_zero_takes_every_draft_token(setup, k):
                     assert seq[P + i] == nxt
 
 
+def _new_token_probs(target, out, P):
+    """The new tokens [N] of a one-row output, their target probabilities [N] and whether each is the target's
+    choice [N], from one full target forward from scratch."""
+    with torch.no_grad():
+        probs = torch.softmax(target(out.sequences).logits[0, P - 1 : -1].float(), -1)  # [N, V]
+    new = out.sequences[0, P:]
+    return new, probs.gather(-1, new[:, None]).squeeze(-1), new == probs.argmax(-1)
+
+
+def test_floor_keeps_unlikely_draft_tokens_out(setup):
+    """sigma = 1 with a floor: a draft token is taken when it is the target's choice or p_target(token) >= floor,
+    so every new token is one or the other (a full target forward from scratch), and the floor rejects some
+    draft tokens that sigma = 1 alone takes. The floor is the median p_target of the tokens sigma = 1 and floor 0
+    take against the target's choice (the tiny models' probabilities are all near 1/V)."""
+    target, draft, clf, prompts = setup
+    kwargs = dict(policy="pivot", classifier=clf, sigma=1.0, num_draft_tokens=4, max_new_tokens=MAX_NEW)
+    taken = []
+    for prompt in prompts:
+        _, p, chosen = _new_token_probs(target, pad.generate(target, draft, prompt, floor=0.0, **kwargs),
+                                        prompt.shape[1])
+        taken += p[~chosen].tolist()
+    floor = float(torch.tensor(taken).median())
+    rejected = relaxed = 0
+    for prompt in prompts:
+        out = pad.generate(target, draft, prompt, floor=floor, **kwargs)
+        rejected += out.stats.drafted - out.stats.accepted
+        relaxed += out.stats.relaxed_accepted
+        _, p, chosen = _new_token_probs(target, out, prompt.shape[1])
+        assert (chosen | (p >= floor)).all(), (floor, p[~chosen].tolist())
+    assert rejected > 0 and relaxed > 0
+
+
 def test_acceptance_grows_with_sigma(setup):
     target, draft, clf, prompts = setup
     rates, pivot_counts = [], []
