@@ -5,7 +5,9 @@ and teardown summed per test, as JUnit XML records them) replaces the part of CO
 markers ``<!-- durations:begin -->`` and ``<!-- durations:end -->``:
 
     python bench/suite_durations.py --run --write CONTRIBUTING.md        # every tier here (the vLLM tier needs vLLM)
-    python bench/suite_durations.py fast=f.xml slow=s.xml --top 30       # tables of runs made elsewhere (.ci/run)
+    python bench/suite_durations.py fast=f.xml slow=s.xml --top 30       # runs made by .ci/run (PAD_CI_JUNIT=DIR)
+
+The table names the CPU this script runs on: run it on the machine that made the XML.
 
 Run it with nothing else on the machine: a second job halves every figure.
 """
@@ -18,7 +20,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -28,13 +29,14 @@ TIERS = {"fast": ["-m", "not slow and not toolchain"], "slow": ["-m", "slow"], "
          "vllm": ["-m", "", "tests/vllm_plugin"]}
 
 
-def read_junit(path: Path) -> list[tuple[str, float]]:
-    """(test id, seconds) of every test case in a JUnit XML file, in file order."""
+def read_junit(path: Path) -> tuple[list[tuple[str, float]], float]:
+    """(test id, seconds) of every test case in a JUnit XML file, in file order, and the run's wall seconds."""
+    root = ET.parse(path).getroot()
     cases = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         cases.append((f"{module}.py::{case.get('name')}", float(case.get("time", 0.0))))
-    return cases
+    return cases, sum(float(suite.get("time", 0.0)) for suite in root.iter("testsuite"))
 
 
 def _cpu() -> str:
@@ -54,13 +56,13 @@ def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], to
     totals = {name: sum(t for _, t in cases) for name, cases in tiers.items()}
     everything = sum(totals.values())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    lines = [f"Measured {datetime.date.today()} on a {_cpu()}, commit {commit.stdout.strip() or '?'}, by "
+    lines = [f"Made {datetime.date.today()} on a {_cpu()}, commit {commit.stdout.strip() or '?'}, by "
              f"`{command}`. Seconds are each test's setup, call and teardown summed (pytest's JUnit XML); a "
-             "tier's wall time is shorter where its tests ran on several workers.", "",
+             "tier's wall time (pytest's own, without its start-up) is shorter where its tests ran on several "
+             "workers.", "",
              "| tier | tests | seconds of tests | wall seconds |", "|---|---|---|---|"]
     for name, cases in tiers.items():
-        wall = f"{walls[name]:.0f}" if name in walls else "not timed here"
-        lines.append(f"| {name} | {len(cases)} | {totals[name]:.0f} | {wall} |")
+        lines.append(f"| {name} | {len(cases)} | {totals[name]:.0f} | {walls[name]:.0f} |")
     lines += ["", f"The {top} slowest tests:", "", "| # | test | tier | seconds | share of its tier | share of all |",
               "|---|---|---|---|---|---|"]
     ranked = sorted(((t, test, name) for name, cases in tiers.items() for test, t in cases), reverse=True)[:top]
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("xml", nargs="*", help="TIER=junit.xml of runs made elsewhere")
     ap.add_argument("--run", action="store_true", help="run the fast, slow and toolchain tiers here (and the vLLM "
                                                        "tier where vLLM is installed)")
-    ap.add_argument("--pytest-args", default="", help="more arguments for every tier's pytest (e.g. '-n 2')")
+    ap.add_argument("--pytest-args", default="-n auto", help="more arguments for every tier's pytest (default: -n auto)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--write", type=Path, help="the file whose durations section is replaced (CONTRIBUTING.md)")
     args = ap.parse_args(argv)
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
         name, _, path = item.partition("=")
         if not path:
             ap.error(f"give TIER=junit.xml, got {item!r}")
-        tiers[name] = read_junit(Path(path))
+        tiers[name], walls[name] = read_junit(Path(path))
     if args.run:
         import importlib.util
 
@@ -103,15 +105,13 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for name in names:
                 xml = Path(tmp) / f"{name}.xml"
-                start = time.monotonic()
                 # `pytest`, not `python -m pytest`: the installed package, not the source tree, is imported.
                 proc = subprocess.run(["pytest", "-q", "-p", "no:cacheprovider", *TIERS[name], *args.pytest_args.split(),
                                        f"--junitxml={xml}"], cwd=ROOT)
-                walls[name] = time.monotonic() - start
                 if proc.returncode != 0:
                     print(f"the {name} tier failed (exit {proc.returncode}): no table", file=sys.stderr)
                     return proc.returncode
-                tiers[name] = read_junit(xml)
+                tiers[name], walls[name] = read_junit(xml)
     if not tiers:
         ap.error("give TIER=junit.xml files or --run")
     command = "python bench/suite_durations.py " + " ".join(argv if argv is not None else sys.argv[1:])
