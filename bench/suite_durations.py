@@ -51,12 +51,12 @@ def _cpu() -> str:
     return f"{os.cpu_count()}-core {name}, {isa}"
 
 
-def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], top: int, command: str) -> str:
+def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], top: int, command: str,
+          commit: str) -> str:
     """Markdown: per tier its tests and seconds, then the ``top`` slowest tests of all tiers."""
     totals = {name: sum(t for _, t in cases) for name, cases in tiers.items()}
     everything = sum(totals.values())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    lines = [f"Made {datetime.date.today()} on a {_cpu()}, commit {commit.stdout.strip() or '?'}, by "
+    lines = [f"Made {datetime.date.today()} on a {_cpu()}, commit {commit}, by "
              f"`{command}`. Seconds are each test's setup, call and teardown summed (pytest's JUnit XML); a "
              "tier's wall time (pytest's own, without its start-up) is shorter where its tests ran on several "
              "workers.", "",
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
                                                        "tier where vLLM is installed)")
     ap.add_argument("--pytest-args", default="-n auto", help="more arguments for every tier's pytest (default: -n auto)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--commit", help="the commit the XML's runs tested (default: this checkout's)")
     ap.add_argument("--write", type=Path, help="the file whose durations section is replaced (CONTRIBUTING.md)")
     args = ap.parse_args(argv)
     tiers: dict[str, list[tuple[str, float]]] = {}
@@ -115,7 +116,9 @@ def main(argv=None) -> int:
     if not tiers:
         ap.error("give TIER=junit.xml files or --run")
     command = "python bench/suite_durations.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = table(tiers, walls, args.top, command)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=ROOT).stdout.strip() or "?"
+    text = table(tiers, walls, args.top, command, commit)
     print(text)
     if args.write:
         replace_section(args.write, "durations", text)
