@@ -429,10 +429,10 @@ def test_vocabulary_split_boundaries(backend, splits):
 def _split_cases():
     """Every shape of the backend tests above, every dtype, greedy and sampling in turn: the CUDA kernels
     (emulated) with S in {1, 2, 7, 64} each at V = 1271 and one S in turn at V >= 32000 (every V with the
-    slices planned for an H100 is test_backend_matches_reference); Triton's covering subset with one S each, in turn (its interpreter
-    runs about 20 ms per program: every S on every shape would add 7 minutes; every S on one shape is
-    ``test_vocabulary_splits_match_reference``, and S = 1 is Triton's default on a CPU, tested above), and one
-    sampled case at the full vocabulary (slices of 2374 logits: whole chunks and a tail in every slice)."""
+    slices planned for an H100 is test_backend_matches_reference); Triton's covering subset with one S each, in
+    turn (its interpreter runs about 20 ms per program: every S on every shape would add 7 minutes; every S on
+    one shape is ``test_vocabulary_splits_match_reference``, and S = 1 is Triton's default on a CPU, tested
+    above), and one sampled case at the full vocabulary (slices of 2374 logits: whole chunks and a tail each)."""
     def param(backend, splits, sampling, dtype, shape):
         return pytest.param(backend, splits, sampling, dtype, *shape, marks=tier(backend, shape[3]),
                             id=f"{backend}-S{splits}-{'sampling' if sampling else 'greedy'}-{dtype}"
