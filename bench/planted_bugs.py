@@ -68,7 +68,7 @@ def run_one(patch: Path, pytest_args: list[str]) -> list[str]:
 
 
 def describe(patch: Path) -> str:
-    """The patch's changed line, shortened: what was planted."""
+    """The first line the patch adds: what was planted."""
     added = [line[1:].strip() for line in patch.read_text().splitlines()
              if line.startswith("+") and not line.startswith("+++")]
     return added[0] if added else "?"
