@@ -3,8 +3,8 @@
 Each ``bench/planted/*.patch`` is applied to this checkout (an editable install: ``pip install
 --no-build-isolation -e '.[test]'``), the CPU extension rebuilt in place when the patch touches ``csrc/``, the fast
 tier run from the source tree, and the patch reverted (and the extension rebuilt clean) whatever happens. A bug
-that no fast-tier test catches makes the exit code 1. The files a patch touches must be unchanged beforehand. The table goes between ``<!-- planted:begin -->`` and
-``<!-- planted:end -->``.
+that no fast-tier test catches makes the exit code 1. The files a patch touches must be unchanged beforehand.
+The table goes between ``<!-- planted:begin -->`` and ``<!-- planted:end -->``.
 
     python bench/planted_bugs.py --write CONTRIBUTING.md        # every patch, the table into CONTRIBUTING.md
     python bench/planted_bugs.py --only 3-triton                # the patches whose names start so
@@ -15,10 +15,9 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from suite_durations import replace_section  # bench/, this script's folder
+from suite_durations import read_junit, replace_section  # bench/, this script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANTED = ROOT / "bench" / "planted"
@@ -37,15 +36,6 @@ def touched(patch: Path) -> list[str]:
     return [line[len("+++ b/"):] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
 
 
-def failures(junit: Path) -> list[str]:
-    """Ids of the failed or erroring tests of a JUnit XML file."""
-    out = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            out.append(f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}")
-    return out
-
-
 def run_one(patch: Path, pytest_args: list[str]) -> list[str]:
     """The fast-tier tests that fail with ``patch`` applied."""
     files = touched(patch)
@@ -60,7 +50,7 @@ def run_one(patch: Path, pytest_args: list[str]) -> list[str]:
             junit = Path(tmp) / "fast.xml"
             subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args,
                             f"--junitxml={junit}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            return failures(junit)
+            return [test for test, _, failed in read_junit(junit)[0] if failed]
     finally:
         _git("apply", "-R", str(patch))
         if native:

@@ -29,13 +29,15 @@ TIERS = {"fast": ["-m", "not slow and not toolchain"], "slow": ["-m", "slow"], "
          "vllm": ["-m", "", "tests/vllm_plugin"]}
 
 
-def read_junit(path: Path) -> tuple[list[tuple[str, float]], float]:
-    """(test id, seconds) of every test case in a JUnit XML file, in file order, and the run's wall seconds."""
+def read_junit(path: Path) -> tuple[list[tuple[str, float, bool]], float]:
+    """(test id, seconds, failed or errored) of every test case in a JUnit XML file, in file order, and the run's
+    wall seconds."""
     root = ET.parse(path).getroot()
     cases = []
     for case in root.iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
-        cases.append((f"{module}.py::{case.get('name')}", float(case.get("time", 0.0))))
+        failed = case.find("failure") is not None or case.find("error") is not None
+        cases.append((f"{module}.py::{case.get('name')}", float(case.get("time", 0.0)), failed))
     return cases, sum(float(suite.get("time", 0.0)) for suite in root.iter("testsuite"))
 
 
@@ -51,10 +53,10 @@ def _cpu() -> str:
     return f"{os.cpu_count()}-core {name}, {isa}"
 
 
-def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], top: int, command: str,
+def table(tiers: dict[str, list[tuple[str, float, bool]]], walls: dict[str, float], top: int, command: str,
           commit: str) -> str:
     """Markdown: per tier its tests and seconds, then the ``top`` slowest tests of all tiers."""
-    totals = {name: sum(t for _, t in cases) for name, cases in tiers.items()}
+    totals = {name: sum(t for _, t, _ in cases) for name, cases in tiers.items()}
     everything = sum(totals.values())
     lines = [f"Made {datetime.date.today()} on a {_cpu()}, commit {commit}, by "
              f"`{command}`. Seconds are each test's setup, call and teardown summed (pytest's JUnit XML); a "
@@ -65,7 +67,7 @@ def table(tiers: dict[str, list[tuple[str, float]]], walls: dict[str, float], to
         lines.append(f"| {name} | {len(cases)} | {totals[name]:.0f} | {walls[name]:.0f} |")
     lines += ["", f"The {top} slowest tests:", "", "| # | test | tier | seconds | share of its tier | share of all |",
               "|---|---|---|---|---|---|"]
-    ranked = sorted(((t, test, name) for name, cases in tiers.items() for test, t in cases), reverse=True)[:top]
+    ranked = sorted(((t, test, name) for name, cases in tiers.items() for test, t, _ in cases), reverse=True)[:top]
     for i, (t, test, name) in enumerate(ranked, 1):
         lines.append(f"| {i} | `{test}` | {name} | {t:.1f} | {100 * t / totals[name]:.1f}% | "
                      f"{100 * t / everything:.1f}% |")
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", help="the commit the XML's runs tested (default: this checkout's)")
     ap.add_argument("--write", type=Path, help="the file whose durations section is replaced (CONTRIBUTING.md)")
     args = ap.parse_args(argv)
-    tiers: dict[str, list[tuple[str, float]]] = {}
+    tiers: dict[str, list[tuple[str, float, bool]]] = {}
     walls: dict[str, float] = {}
     for item in args.xml:
         name, _, path = item.partition("=")

@@ -44,11 +44,14 @@ def test_durations_table_ranks_tests_and_shares(tmp_path):
     assert "test_y" not in text  # past --top
 
 
-def test_planted_table_keeps_the_rows_of_patches_not_run(tmp_path):
+def test_failures_and_the_planted_table_keeps_the_rows_of_patches_not_run(tmp_path):
     planted = _load("planted_bugs")
     junit = _junit(tmp_path / "f.xml", [("tests.test_a", "test_x", 1.0, True), ("tests.test_a", "test_y", 1.0, False),
                                         ("tests.test_b", "test_z[2]", 1.0, True)], 3.0)
-    assert planted.failures(junit) == ["test_a.py::test_x", "test_b.py::test_z[2]"]
+    durations = _load("suite_durations")
+    cases, wall = durations.read_junit(junit)
+    assert [test for test, _, failed in cases if failed] == ["tests/test_a.py::test_x", "tests/test_b.py::test_z[2]"]
+    assert wall == 3.0
     patches = sorted(planted.PLANTED.glob("*.patch"))
     assert len(patches) >= 2
     first, second = patches[:2]
@@ -58,7 +61,6 @@ def test_planted_table_keeps_the_rows_of_patches_not_run(tmp_path):
     rows[second.stem] = planted.row(second, ["t.py::b", "t.py::c"])  # the second rerun: the first row kept
     new = planted.table(rows)
     assert new.splitlines()[2] == old.splitlines()[2] and "2: `t.py::b`, `t.py::c`" in new.splitlines()[3]
-
 
 
 def test_every_planted_bug_still_applies():
