@@ -18,7 +18,7 @@ import torch
 
 from pad.decoding.attention import use_gqa_sdpa
 from pad.decoding.hf import crop_cache, forward_tail, text_config
-from pad.evaluation.machine import median_seconds
+from pad.machine import median_seconds
 from pad_kernels.attention import gqa_attention
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pad.evaluation.machine import machine_line
+from pad.machine import machine_line
 from pad_kernels import cpu
 from pad_kernels.types import empty_result
 from verify_table import interleaved_medians, make_inputs

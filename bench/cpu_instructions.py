@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     if args.inside:
         _blocks(args.inside)
         return 0
-    from pad.evaluation.machine import machine_line
+    from pad.machine import machine_line
 
     print(machine_line())
     print(f"| case | instructions in verify_block_cpu_out, {BLOCKS} blocks |\n|---|---|")

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from pad.decoding.decoder import growing_cache
 from pad.decoding.draft_length import ForwardCost, measure
 from pad.decoding.hf import crop_cache, forward_tail, kv_shape, returned_cache
-from pad.evaluation.machine import median_seconds
+from pad.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, load
 
 

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from pad.decoding.generate import DECODE_VERSION
-from pad.evaluation import bench, jsonl, tasks
+from pad import jsonl
+from pad.evaluation import bench, tasks
 
 K_FREE = ("target", "draft", "hf-target")
 
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     classifier = args.classifier
     if classifier is None:
         from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
-        from pad.pivots.classifier import PivotClassifier
+        from pad.models.classifier import PivotClassifier
 
         classifier = PivotClassifier.load(shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)).checksum()
     records = [r for log in args.logs for r in jsonl.read(log)]

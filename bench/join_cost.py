@@ -25,7 +25,7 @@ import torch
 from pad.decoding.attention import use_gqa_sdpa
 from pad.decoding.decoder import Decoder
 from pad.decoding.hf import eos_ids, kv_shape, text_config
-from pad.evaluation.machine import median_seconds
+from pad.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, load
 from pad.pivots.continuations import JOIN_FIXED, Continuations, Job, join_groups
 

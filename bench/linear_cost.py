@@ -15,7 +15,7 @@ from torch import nn
 from pad.decoding.onednn import OneDNNLinear
 from transformers import AutoConfig
 
-from pad.evaluation.machine import median_seconds
+from pad.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, resolve
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pad.evaluation.machine import machine_line
+from pad.machine import machine_line
 from pad_kernels import FoldedClassifier, available_backends, verify_block
 from pad_kernels.verify_ref import verify_block_ref
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from pad.decoding.policy import parse_policy
-from pad.evaluation.machine import machine_line, median_seconds
+from pad.machine import machine_line, median_seconds
 from pad.serving.vllm import Acceptance, ServingConfig, pad_rejection_sample
 from pad_kernels import verify_block_varlen
 

@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 from pad.decoding.policy import DEFAULT_SIGMA  # noqa: E402
 from pad.evaluation import bench, tasks  # noqa: E402
-from pad.evaluation.machine import machine_line, speed_probe  # noqa: E402
+from pad.machine import machine_line, speed_probe  # noqa: E402
 from pad.models import registry  # noqa: E402
 
 WARMUP_TOKENS = 16
@@ -77,7 +77,7 @@ def vllm_rows(args, target, draft, problems, prompts, done):
 
 def pad_rows(args, problems):
     """pad.generate's exact and pivot policies through pad's own benchmark (its run log keeps the replies)."""
-    from pad.pivots.classifier import PivotClassifier
+    from pad.models.classifier import PivotClassifier
 
     target, _ = registry.load(registry.DEFAULT_TARGET, dtype=args.dtype, source="index-gguf")
     draft, _ = registry.load(registry.DEFAULT_DRAFT, dtype=args.dtype, source="index-gguf")

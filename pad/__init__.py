@@ -6,7 +6,7 @@ from .decoding.generate import POLICIES, GenerationResult, generate
 from .decoding.onednn import use_onednn_linear
 from .decoding.policy import Policy, parse_policy
 from .decoding.stats import GenerationStats
-from .pivots.classifier import PivotClassifier
+from .models.classifier import PivotClassifier
 
 __all__ = ["POLICIES", "GenerationResult", "GenerationStats", "PivotClassifier", "Policy", "generate", "parse_policy",
            "use_gqa_sdpa", "use_onednn_linear", "__version__"]

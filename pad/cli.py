@@ -63,7 +63,7 @@ def _add_task(parser, split: str) -> None:
 def _classifier(args):
     """--classifier DIR, else the classifier shipped for --target/--draft; checked against the pair."""
     from .models.registry import shipped_classifier
-    from .pivots.classifier import PivotClassifier
+    from .models.classifier import PivotClassifier
 
     clf = PivotClassifier.load(args.classifier or shipped_classifier(args.target, args.draft))
     clf.check_pair(args.target, args.draft, _weights(args))
@@ -482,7 +482,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     if getattr(args, "dtype", None) == "auto":
-        from .evaluation.machine import default_dtype
+        from .machine import default_dtype
 
         args.dtype = default_dtype()
     # Job launchers stop work with SIGTERM (and a background job of a script ignores Ctrl-C's SIGINT): leave

@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from .evaluation.machine import native_bf16
+from .machine import native_bf16
 from .models.registry import REGISTRY, cache_dir, weights_source
 
 

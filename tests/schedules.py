@@ -15,7 +15,7 @@ class Schedule(AutoDraftLength):
     def bind(self, target, draft, rows, columns):
         pass
 
-    def choose(self, acceptance, target_columns, draft_columns, *, limit=None, **kw):
+    def choose(self, acceptance, draft_seconds, target_columns, *, limit=None, **kw):
         k = self.ks[len(self.chosen) % len(self.ks)]
         k = k if limit is None else min(k, limit)
         self.chosen.append(k)

@@ -7,7 +7,8 @@ import pytest
 import scipy.stats
 import torch
 
-from pad.evaluation import bench, machine, tasks
+from pad import machine
+from pad.evaluation import bench, tasks
 from test_cli import _tokenizer
 from test_generate_pivot import _classifier
 from tiny import tiny_pair

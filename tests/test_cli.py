@@ -93,7 +93,7 @@ def test_mismatched_tokenizers_are_refused(folders, capsys):
 
 
 def test_user_errors_are_one_line_and_bugs_keep_their_traceback(folders, monkeypatch, capsys):
-    import pad.decoding.generate as generate_module
+    import pad.decoding.speculative as speculative
 
     args = ["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--prompt", "w1",
             "--dtype", "float32", "--max-new-tokens", "2"]
@@ -106,7 +106,7 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(folders, monkeyp
     def bug(*a, **k):
         raise RuntimeError("an internal invariant broke")
 
-    monkeypatch.setattr(generate_module, "_decode_speculative", bug)
+    monkeypatch.setattr(speculative, "decode", bug)
     with pytest.raises(RuntimeError, match="an internal invariant broke"):  # a bug is never hidden
         main(args)
 
@@ -143,7 +143,7 @@ def test_classifier_for_another_pair_is_refused(folders, tmp_path, capsys):
 def test_auto_dtype_is_bf16_only_with_native_bf16(tmp_path, monkeypatch, flags, native):
     import torch
 
-    from pad.evaluation import machine
+    from pad import machine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpuinfo = tmp_path / "cpuinfo"
@@ -155,7 +155,7 @@ def test_auto_dtype_is_bf16_only_with_native_bf16(tmp_path, monkeypatch, flags, 
 
 
 def test_dtype_auto_is_resolved_before_loading(folders, monkeypatch):
-    from pad.evaluation import machine
+    from pad import machine
     from pad.models import registry
 
     real_load, seen = registry.load, []

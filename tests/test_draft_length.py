@@ -137,10 +137,28 @@ def test_chooser_picks_the_argmax_of_planted_costs_and_acceptances(seed):
         return tokens / (target[k + 1] + k * draft[1] + 0.01)
 
     want = max(range(kmax + 1), key=rate)
-    k, seconds = chooser.choose(acceptance, 100, 100)
+    drafting = lambda k: k * draft[1]  # noqa: E731 (the drafter's predicted seconds)
+    k, seconds = chooser.choose(acceptance, drafting, 100)
     assert k == want and seconds == pytest.approx(target[k + 1] + k * draft[1] + 0.01)
-    k, _ = chooser.choose(acceptance, 100, 100, limit=2)
+    k, _ = chooser.choose(acceptance, drafting, 100, limit=2)
     assert k == max(range(3), key=rate)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chooser_counts_only_the_drafts_a_row_can_propose(seed):
+    """A draft-free drafter proposes only what it found: the chooser's expected tokens use min(K, cap)."""
+    rng = np.random.default_rng(seed)
+    kmax = 8
+    target = {t: 0.2 + 0.02 * (t - 1) for t in range(1, kmax + 2)}
+    acceptance = rng.uniform(0.3, 0.99, 4)
+    caps = rng.integers(0, kmax + 1, 4)
+    chooser = AutoDraftLength(kmax, target_cost=_Planted(target))
+
+    def rate(k):
+        return sum(sum(a ** i for i in range(min(k, c) + 1)) for a, c in zip(acceptance, caps)) / target[k + 1]
+
+    k, _ = chooser.choose(acceptance, lambda k: 0.0, 100, caps=caps)
+    assert k == max(range(int(caps.max()) + 1), key=rate)
 
 
 def test_chooser_waits_for_speculation_to_pay_for_the_drafts_prefill():
@@ -148,10 +166,12 @@ def test_chooser_waits_for_speculation_to_pay_for_the_drafts_prefill():
     target = {t: 0.2 + 0.01 * (t - 1) for t in range(1, 10)}
     draft = {1: 0.02, 300: 2.0}
     chooser = AutoDraftLength(8, target_cost=_Planted(target), draft_cost=_Planted(draft))
-    assert chooser.choose([0.9] * 4, 100, 0, draft_pending=300, remaining=1000)[0] > 0
-    assert chooser.choose([0.9] * 4, 100, 0, draft_pending=300, remaining=5)[0] == 0
+    drafting = lambda k: k * draft[1]  # noqa: E731
+    catch_up = draft[300] - draft[1]
+    assert chooser.choose([0.9] * 4, drafting, 100, catch_up=catch_up, remaining=1000)[0] > 0
+    assert chooser.choose([0.9] * 4, drafting, 100, catch_up=catch_up, remaining=5)[0] == 0
     # Without the draft behind, the same few tokens left are worth speculating.
-    assert chooser.choose([0.9] * 4, 100, 100, draft_pending=1, remaining=5)[0] > 0
+    assert chooser.choose([0.9] * 4, drafting, 100, remaining=5)[0] > 0
 
 
 def test_bad_draft_lengths_are_refused():

@@ -283,7 +283,7 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
         decs.append(dec)
 
     decs, ks = [], []
-    module = importlib.import_module("pad.decoding.generate")  # the module (pad.generate is the function)
+    module = importlib.import_module("pad.decoding.speculative")  # the module (pad.generate is the function)
     real_verify = module.verify_block
 
     def verify(target_logits, draft_tokens, *args, **kwargs):

@@ -1,7 +1,7 @@
 """Machine facts a long job reads: the memory left to it."""
 import platform
 
-from pad.evaluation.machine import available_memory, release_free_memory
+from pad.machine import available_memory, release_free_memory
 
 
 def test_available_memory_takes_the_tighter_of_the_kernel_and_the_cgroup(tmp_path):

@@ -113,7 +113,7 @@ def test_exact_with_draft_stop_is_the_target_greedy_output(pair, batch, monkeypa
     from tiny import greedy_from_scratch
 
     target, draft = pair
-    gen_module = importlib.import_module("pad.decoding.generate")  # the module, not the function pad.generate
+    gen_module = importlib.import_module("pad.decoding.speculative")  # where the block calls the op
     lengths, real = [], gen_module.verify_block
 
     def spy(*args, **kwargs):

@@ -125,7 +125,7 @@ def test_generate_samples_like_the_target(small_vocab_pair, monkeypatch):
 
 
 def test_no_top_p_work_when_top_p_is_one(monkeypatch):
-    from pad.decoding.generate import sampling_probs, warp_logits
+    from pad.decoding.sampling import sampling_probs, warp_logits
 
     logits = torch.randn(2, 50)
     assert warp_logits(logits, 0.7, 1.0) is logits

@@ -85,7 +85,7 @@ def test_decode_loop_reuses_one_workspace(monkeypatch):
     """After the first block no new output memory: every block's outputs view the same buffers, while rows
     leave the batch (a stop token) and blocks shrink (never drafting past the budget)."""
     target, draft = tiny_pair("llama")
-    module = importlib.import_module("pad.decoding.generate")  # the module (``pad.generate`` is the function)
+    module = importlib.import_module("pad.decoding.speculative")  # where the block calls the op
     seen = []
     real = module.verify_block
 

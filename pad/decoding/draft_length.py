@@ -293,16 +293,70 @@ class RowAcceptance:
         return (self.accepted + PRIOR_TRIALS * pooled) / (self.accepted + self.rejected + PRIOR_TRIALS)
 
 
+class ForwardClock:
+    """Times forwards into cost models: the seconds of each, and their sum since the last ``take``."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def forward(self, dec, ids: torch.Tensor, fed: torch.Tensor, keep: int, cost) -> torch.Tensor:
+        """``dec.forward(ids, fed, keep)``, timed into ``cost`` where it is a ``ForwardCost``."""
+        rows, tokens, columns = ids.shape[0], ids.shape[1], dec.width
+        synchronize(dec.device)
+        start = time.perf_counter()
+        logits = dec.forward(ids, fed, keep)
+        synchronize(dec.device)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if isinstance(cost, ForwardCost):
+            cost.add(rows, tokens, columns, seconds)
+        return logits
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class FixedDraftLength:
+    """The same K for every block (cut to the budget left): the ``DraftLength`` of an integer K."""
+
+    def __init__(self, k: int):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {k!r}")
+        self.max_draft_tokens = k
+
+    def start(self, batch, target, drafter, settings) -> None:
+        pass
+
+    def forward(self, dec, ids: torch.Tensor, fed: torch.Tensor, keep: int) -> torch.Tensor:
+        return dec.forward(ids, fed, keep)
+
+    def next(self, batch, drafter, target_width: int, target_pending: int, limit: int) -> tuple[int, float]:
+        return min(self.max_draft_tokens, limit), math.nan
+
+    def observe(self, accepted: list[int], verified: list[int], seconds: float) -> None:
+        pass
+
+    def select(self, keep: list[int]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 class AutoDraftLength:
     """Chooses each block's K in 0..``max_draft_tokens``: the K that maximises the expected new tokens per
     second of the whole batch,
 
-        sum_r E_r(K) / (draft(K) + target(K) + overhead),
+        sum_r E_r(min(K, L_r)) / (draft(K) + target(K) + overhead),
 
-    with ``E_r`` the expected tokens of row r (``expected_tokens`` at its ``RowAcceptance`` estimate),
-    ``draft(K)`` the draft's K forwards (its catch-up spread over the blocks left: ``choose``), ``target(K)``
-    one target forward over K + 1 tokens per row, both from the models' ``ForwardCost``, and ``overhead`` the
-    rest of a block (verification, bookkeeping) as measured so far. K = 0 is a plain target step.
+    with ``E_r`` the expected tokens of row r (``expected_tokens`` at its ``RowAcceptance`` estimate), ``L_r``
+    the most its drafter can propose now (a lookup finds only so much), ``draft(K)`` the drafter's predicted
+    seconds (``Drafter.seconds``: a draft model's K forwards from its ``ForwardCost``, a draft-free drafter's
+    measured time), ``target(K)`` one target forward over K + 1 tokens per row from the target's
+    ``ForwardCost``, and ``overhead`` the rest of a block (verification, bookkeeping) as measured so far. A draft
+    model's catch-up (the committed tokens it has not seen) is spread over the blocks left (``choose``). K = 0
+    is a plain target step.
 
     ``target_cost`` / ``draft_cost``: cost models to use (anything with ``predict(rows, tokens, columns)``);
     None: the process-wide ones of the models (``forward_cost``), probed on first use where they lack the
@@ -321,15 +375,61 @@ class AutoDraftLength:
         self.overhead = 0.0  # seconds of a block outside the forwards (running mean)
         self._overheads = 0
 
+    # --- the DraftLength protocol: what the decode calls --------------------------------------------------
+
+    def start(self, batch, target, drafter, settings) -> None:
+        """Before a call's first block: bind the cost models (a draft model's is handed to its drafter) and
+        start the call's acceptance estimates, pooled with earlier calls' under the same ``settings``."""
+        draft = getattr(drafter, "model", None)
+        self.bind(target, draft, len(batch), max(map(len, batch.prompts)))
+        self.clock = ForwardClock()
+        if draft is not None:
+            drafter.cost, drafter.clock = self.draft_cost, self.clock
+        self._acceptance = self.acceptance(target, draft, (drafter.name, *settings), len(batch))
+        self._start = time.perf_counter()
+
+    def forward(self, dec, ids: torch.Tensor, fed: torch.Tensor, keep: int) -> torch.Tensor:
+        """The target's forward, timed into its cost model."""
+        return self.clock.forward(dec, ids, fed, keep, self.target_cost)
+
+    def next(self, batch, drafter, target_width: int, target_pending: int, limit: int) -> tuple[int, float]:
+        """(K, predicted seconds) of the next block."""
+        self._start = time.perf_counter()
+        available = getattr(drafter, "available", None)
+        catch_up = getattr(drafter, "catch_up", None)
+        return self.choose(
+            self._acceptance.estimates(), lambda k: drafter.seconds(k, len(batch)), target_width,
+            target_pending=target_pending, catch_up=catch_up(len(batch)) if catch_up else 0.0, limit=limit,
+            remaining=sum(batch.budget(j) for j in range(len(batch))) / len(batch),
+            caps=available(self.max_draft_tokens) if available else None)
+
+    def observe(self, accepted: list[int], verified: list[int], seconds: float) -> None:
+        """A block's result: per row the drafts accepted and verified (empty lists after K = 0)."""
+        if verified:
+            self._acceptance.update(accepted, verified)
+        self.record_overhead(seconds - self.clock.take())
+
+    def select(self, keep: list[int]) -> None:
+        self._acceptance.select(keep)
+
+    def finish(self) -> None:
+        if getattr(self, "_acceptance", None) is not None:
+            self.remember(self._acceptance)
+            self._acceptance = None
+
+    # --- the model behind it ------------------------------------------------------------------------------
+
     def bind(self, target, draft, rows: int, columns: int) -> None:
-        """Before a call's first block: the process-wide cost models of ``target`` and ``draft`` unless given,
-        probed at ``rows`` (and one row) where they lack those shapes."""
+        """The process-wide cost models of ``target`` and ``draft`` (None: a drafter without a model) unless
+        given, probed at ``rows`` (and one row) where they lack those shapes."""
         if self.target_cost is None:
             self.target_cost = forward_cost(target)
-        if self.draft_cost is None:
+        if self.draft_cost is None and draft is not None:
             self.draft_cost = forward_cost(draft)
         k = self.max_draft_tokens
-        plan = ((target, self.target_cost, sorted({1, 2, (k + 2) // 2, k + 1})), (draft, self.draft_cost, [1, 2, 4]))
+        plan = [(target, self.target_cost, sorted({1, 2, (k + 2) // 2, k + 1}))]
+        if draft is not None:
+            plan.append((draft, self.draft_cost, [1, 2, 4]))
         for model, cost, tokens in plan:
             if not isinstance(cost, ForwardCost):
                 continue  # a planted cost model (tests) needs no measurement
@@ -342,7 +442,7 @@ class AutoDraftLength:
 
     def acceptance(self, target, draft, settings, rows: int) -> RowAcceptance:
         """A call's ``RowAcceptance``, its pool seeded with the trials of earlier calls in this process of the
-        same ``target`` and ``draft`` under the same ``settings`` (policy and sampling; hashable)."""
+        same ``target`` and ``draft`` under the same ``settings`` (drafter, policy and sampling; hashable)."""
         self._trials = _TRIALS.setdefault(target, {}).setdefault((id(draft), settings), [0.0, 0.0])
         accepted, rejected = self._trials
         scale = min(1.0, REMEMBERED_TRIALS / max(accepted + rejected, 1.0))
@@ -354,39 +454,35 @@ class AutoDraftLength:
         self._trials[0] += accepted
         self._trials[1] += rejected
 
-    def block_time(self, k: int, rows: int, target_columns: int, draft_columns: int, target_pending: int = 1,
-                   draft_pending: int = 1) -> float:
+    def block_time(self, k: int, rows: int, target_columns: int, draft_seconds, target_pending: int = 1) -> float:
         """Predicted seconds of a block of k drafts (k = 0: a plain target step): the target's forward over
-        its ``target_pending`` committed tokens and the k drafts, the draft's first forward over the
-        ``draft_pending`` committed tokens it has not seen and k - 1 one-token forwards, and the overhead."""
+        its ``target_pending`` committed tokens and the k drafts, ``draft_seconds(k)``, and the overhead."""
         t = self.target_cost.predict(rows, target_pending + k, target_columns) + self.overhead
-        if k:
-            t += self.draft_cost.predict(rows, draft_pending, draft_columns)
-            t += (k - 1) * self.draft_cost.predict(rows, 1, draft_columns + draft_pending)
-        return t
+        return t + (draft_seconds(k) if k else 0.0)
 
-    def choose(self, acceptance, target_columns: int, draft_columns: int, *, target_pending: int = 1,
-               draft_pending: int = 1, remaining: float = math.inf, limit: int | None = None) -> tuple[int, float]:
+    def choose(self, acceptance, draft_seconds, target_columns: int, *, target_pending: int = 1,
+               catch_up: float = 0.0, remaining: float = math.inf, limit: int | None = None,
+               caps=None) -> tuple[int, float]:
         """(K, predicted block seconds) for live rows of per-token ``acceptance`` [B]; K <= ``limit`` too.
 
-        The draft's catch-up (feeding ``draft_pending`` > 1 tokens it has not seen: the prompt, or the tokens
-        of K = 0 blocks) is paid once for all the blocks that follow, so a choice weighs it spread over the
-        blocks the rows' ``remaining`` tokens (mean budget left) would take at that K: speculation starts only
-        where it will pay for the draft's prefill. The target's ``target_pending`` tokens are fed whatever K
-        comes: they weigh on no choice, only on the predicted seconds returned.
+        ``draft_seconds(k)``: the drafter's predicted seconds for k drafts per row. ``caps`` [B]: the most each
+        row's drafter can propose (None: no limit). ``catch_up``: a draft model's seconds of feeding the
+        committed tokens it has not seen (the prompt, or the tokens of K = 0 blocks), paid once for all the
+        blocks that follow, so a choice weighs it spread over the blocks the rows' ``remaining`` tokens (mean
+        budget left) would take at that K: speculation starts only where it will pay for the draft's
+        prefill. The target's ``target_pending`` tokens are fed whatever K comes: they weigh on no choice,
+        only on the predicted seconds returned.
         """
         acceptance = np.asarray(acceptance, dtype=np.float64)
         rows = len(acceptance)
+        caps = np.full(rows, self.max_draft_tokens) if caps is None else np.asarray(caps)
         top = self.max_draft_tokens if limit is None else max(0, min(limit, self.max_draft_tokens))
-        catch_up = 0.0
-        if draft_pending > 1:
-            catch_up = max(0.0, self.draft_cost.predict(rows, draft_pending, draft_columns)
-                           - self.draft_cost.predict(rows, 1, draft_columns))
+        top = min(top, int(caps.max()) if rows else 0)
         best = None
         for k in range(top + 1):
-            per_row = float(np.mean([expected_tokens(a, k) for a in acceptance]))
+            per_row = float(np.mean([expected_tokens(a, min(k, int(c))) for a, c in zip(acceptance, caps)]))
             # The target's pending tokens (the prompt, at the first block) cost the same whatever K: left out.
-            weighed = self.block_time(k, rows, target_columns, draft_columns)
+            weighed = self.block_time(k, rows, target_columns, draft_seconds)
             if k:
                 weighed += catch_up / max(1.0, remaining / per_row)
             if not weighed > 0:
@@ -397,7 +493,7 @@ class AutoDraftLength:
         if best is None:  # no usable prediction: fall back to the largest K
             return top, math.nan
         k = best[1]
-        return k, self.block_time(k, rows, target_columns, draft_columns, target_pending, draft_pending)
+        return k, self.block_time(k, rows, target_columns, draft_seconds, target_pending) + (catch_up if k else 0.0)
 
     def record_overhead(self, seconds: float) -> None:
         """A block's time outside its forwards."""

@@ -22,8 +22,9 @@ from ..decoding.generate import DECODE_VERSION, generate
 from ..decoding.policy import Policy, parse_policy
 from ..errors import PadError
 from ..models.registry import check_weights
-from . import jsonl, tasks
-from .machine import machine_line, speed_probe
+from .. import jsonl
+from . import tasks
+from ..machine import machine_line, speed_probe
 
 HF_POLICIES = ("hf-assisted", "hf-target")  # transformers' own generate, as baselines
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
@@ -574,7 +575,7 @@ def markdown(rows: list[dict], header: str) -> str:
         note = (f"Accuracy differences are in points, against {who} on the same problems, with the exact "
                 "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ); lost / gained: "
                 f"the problems {who} solves and the policy does not, and the reverse. Probe: the ")
-    note += ("machine's speed on a fixed matmul when the row's runs were timed (`pad.evaluation.machine.speed_probe`,"
+    note += ("machine's speed on a fixed matmul when the row's runs were timed (`pad.machine.speed_probe`,"
              " weighted by run time; n/a for runs logged before it existed).")
     left_out = [r["policy"] for r in rows if r.get("speed_left_out")]
     if left_out:

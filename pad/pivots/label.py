@@ -38,7 +38,7 @@ from pad_kernels import verify_block
 from ..decoding.decoder import left_padded
 from ..decoding.generate import generate
 from ..decoding.hf import LayerCapture, decoder_layer, eos_ids, forward_tail, returned_cache, shared_vocab_size
-from ..evaluation import jsonl
+from .. import jsonl
 from ..models.registry import check_weights
 from .rollout import Start, continue_batch
 

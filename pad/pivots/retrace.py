@@ -32,7 +32,7 @@ import torch
 
 from ..decoding.decoder import Decoder, left_pad
 from ..decoding.hf import eos_ids, shared_vocab_size
-from ..evaluation import jsonl
+from .. import jsonl
 from .label import verify_positions
 
 FOLDER = "retrace"

@@ -49,7 +49,7 @@ import torch
 from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_bytes_per_token, returned_cache,
                            shared_vocab_size)
 from ..errors import PadError
-from ..evaluation.machine import available_memory, release_free_memory
+from ..machine import available_memory, release_free_memory
 from .continuations import Continuations, Job
 from .label import LabelWriter, problems_to_do, shard_indices, softmax_stats
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from pad_kernels import FEATURE_NAMES
 
-from .classifier import PivotClassifier
+from ..models.classifier import PivotClassifier
 from .replay import KS as REPLAY_KS, SIGMAS as REPLAY_SIGMAS, TAUS as REPLAY_TAUS, replay_table, tokens_per_forward
 
 SIGMAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -354,7 +354,7 @@ def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: 
     """What a candidate feature adds: out-of-fold AUROC of ``cfg.model`` without and with ``name``, on the same
     positions (those where ``name`` is known) and folds, and the 95% bootstrap interval over problems of the
     difference (with - without)."""
-    from .classifier import CANDIDATE_FEATURES
+    from ..models.classifier import CANDIDATE_FEATURES
 
     if name not in CANDIDATE_FEATURES:
         raise ValueError(f"unknown candidate feature {name!r}; choose one of {', '.join(CANDIDATE_FEATURES)}")

@@ -110,7 +110,7 @@ class ServingConfig:
         if self.classifier is None:
             return None
         from ..models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
-        from ..pivots.classifier import PivotClassifier
+        from ..models.classifier import PivotClassifier
 
         folder = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT) if self.classifier == "shipped" else self.classifier
         return PivotClassifier.load(folder)

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from pad.decoding.hf import LayerCapture
-from pad.pivots.classifier import PivotClassifier
+from pad.models.classifier import PivotClassifier
 from tiny import noisy_copy
 
 VOCAB = 256

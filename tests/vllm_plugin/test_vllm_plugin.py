@@ -101,7 +101,7 @@ def test_hidden_feature_equals_pads(tiny, tmp_path):
     """The classifier's hidden state captured from vLLM's layer (its output plus the residual it returns
     apart) equals the output of the same HuggingFace decoder layer that pad.generate reads."""
     from pad.decoding.hf import LayerCapture
-    from pad.pivots.classifier import PivotClassifier
+    from pad.models.classifier import PivotClassifier
 
     prompt = PROMPTS[2]
     dump = tmp_path / "hidden.pt"

@@ -1,0 +1,104 @@
+"""The ``hybrid`` drafter: per row and block, a draft-free proposal where its match is long enough, else
+the draft model.
+
+A row takes the draft-free drafter's proposal (``lookup`` by default) when the n-gram or context it matched
+is at least ``min_match`` tokens long and proposes something; every other row takes the draft model's. The
+model runs only in blocks where some row needs it (at B = 1: only when the row does); it then runs over
+the whole batch, as its cache is one tensor, and only the rows that need it count its forwards.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Proposal
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+
+class HybridDrafter:
+    name = "hybrid"
+    has_logits = False  # the draft-free rows have no distribution
+
+    def __init__(self, model: ModelDrafter, free=None, min_match: int = 2):
+        if not isinstance(min_match, int) or min_match < 1:
+            raise ValueError(f"min_match must be an integer >= 1, got {min_match!r}")
+        self.model = model.model  # the draft model (for cost models and the acceptance pool)
+        self.drafter = model
+        self.free = free if free is not None else LookupDrafter()
+        self.min_match = min_match
+        self.model_blocks = self.free_blocks = 0  # blocks the model ran in / did not
+
+    @property
+    def cost(self):
+        return self.drafter.cost
+
+    @cost.setter
+    def cost(self, value) -> None:
+        self.drafter.cost = value
+
+    @property
+    def clock(self):
+        return self.drafter.clock
+
+    @clock.setter
+    def clock(self, value) -> None:
+        self.drafter.clock = value
+
+    def start(self, batch, sampling, device, needs_logits: bool = False) -> None:
+        self.drafter.start(batch, sampling, device)
+        self.free.start(batch, sampling, device)
+        self.sampling, self.device = sampling, device
+
+    def _plan(self, k: int) -> list[tuple[list[int], bool]]:
+        """Per live row (the free drafter's tokens, whether the row takes the model's instead)."""
+        return [(tokens, n < self.min_match or not tokens) for tokens, n in self.free.matches(k)]
+
+    def available(self, k: int) -> list[int]:
+        return [k if use_model else len(tokens) for tokens, use_model in self._plan(k)]
+
+    def seconds(self, k: int, rows: int) -> float:
+        needs_model = any(use_model for _, use_model in self._plan(k))
+        return self.drafter.seconds(k, rows) if needs_model else self.free.seconds(k, rows)
+
+    def catch_up(self, rows: int) -> float:
+        return self.drafter.catch_up(rows) if any(m for _, m in self._plan(1)) else 0.0
+
+    def propose(self, batch, k: int) -> Proposal:
+        plan = self._plan(k)
+        b = len(plan)
+        used = [use_model for _, use_model in plan]
+        lengths = torch.tensor([k if m else len(t) for t, m in plan], dtype=torch.long)
+        tokens = torch.zeros((b, k), dtype=torch.long)
+        for j, (t, m) in enumerate(plan):
+            if not m and t:
+                tokens[j, : len(t)] = torch.tensor(t, dtype=torch.long)
+        tokens = tokens.to(self.device)
+        if not any(used):
+            self.free_blocks += 1
+            return Proposal(tokens, lengths, forwards=[0] * b)
+        self.model_blocks += 1
+        drafted = self.drafter.propose(batch, k)
+        self.drafter.use_rows(used)
+        k = drafted.k  # draft_stop may end the model's drafting early
+        mask = torch.tensor(used, device=self.device)
+        tokens = torch.where(mask[:, None], drafted.tokens, tokens[:, :k])
+        model_lengths = drafted.lengths if drafted.lengths is not None else torch.full((b,), k, dtype=torch.long)
+        lengths = torch.where(torch.tensor(used), model_lengths, lengths.clamp_max(k))
+        probs = None
+        if drafted.probs is not None:  # sampling: the free rows' tokens are drawn with probability one
+            one_hot = torch.nn.functional.one_hot(tokens, drafted.probs.shape[-1]).to(drafted.probs)
+            probs = torch.where(mask[:, None, None], drafted.probs, one_hot)
+        forwards = [f if m else 0 for f, m in zip(drafted.forwards, used)]
+        return Proposal(tokens, lengths, probs=probs, forwards=forwards)
+
+    def commit(self, batch, proposal, accepted, kept) -> None:
+        self.drafter.commit(batch, proposal, accepted, kept)
+        self.free.commit(batch, proposal, accepted, kept)
+
+    def select(self, keep: list[int]) -> None:
+        self.drafter.select(keep)
+        self.free.select(keep)
+
+    def finish(self, batch) -> None:
+        self.drafter.finish(batch)
+        self.free.finish(batch)

@@ -1,0 +1,168 @@
+"""The speculative block, as three steps over a ``RowBatch``: draft, verify, commit.
+
+Draft: the ``Drafter`` proposes up to K tokens per live row (K from the ``DraftLength``). Verify: one
+target forward over each row's committed tokens it has not seen and its drafts, then the fused op
+(``pad_kernels.verify_block``) decides each row's accepted prefix and next token. Commit: each row commits
+that prefix and token through the batch's EOS/budget cut; the target's cache stops attending to the
+rejected columns; the drafter is told; finished rows leave the batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pad_kernels import AcceptRule, FoldedClassifier, Workspace, verify_block
+
+from ..models.classifier import PivotClassifier
+from .decoder import Decoder, left_pad
+from .drafters.base import Drafter, Proposal, Sampling
+from .hf import LayerCapture
+from .rows import RowBatch
+from .sampling import warp_logits
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """How drafts are judged: the op's rule, and for pivot the classifier (its ``sigma`` and ``floor``)."""
+
+    rule: AcceptRule = AcceptRule()
+    classifier: PivotClassifier | None = None
+    sigma: float = 0.0
+    floor: float = 1e-4
+    backend: str | None = None
+
+    def key(self) -> tuple:
+        """What makes acceptance rates comparable between calls (hashable)."""
+        return (self.rule, self.sigma, self.floor, self.classifier is not None and id(self.classifier))
+
+
+def random_draws(generator, rows: int, k: int, vocab: int, device):
+    """The op's randomness of one block: (uniforms [rows, k], exponentials [rows, vocab]); (None, None)
+    when greedy."""
+    if generator is None:
+        return None, None
+    uniforms = torch.rand((rows, k), generator=generator, device=device)
+    exponentials = torch.empty((rows, vocab), device=device).exponential_(generator=generator)
+    return uniforms, exponentials
+
+
+def nonfinite_error(block: int) -> FloatingPointError:
+    return FloatingPointError(
+        f"the model produced non-finite logits (NaN or inf) in block {block}; check its weights and dtype"
+    )
+
+
+def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length, acceptance: Acceptance,
+           sampling: Sampling) -> None:
+    """Decode every row of ``batch`` to its end: blocks of draft / verify / commit until no row is live.
+    ``length``: a ``DraftLength`` (``FixedDraftLength`` or ``AutoDraftLength``)."""
+    clf = acceptance.classifier
+    folded: FoldedClassifier | None = clf.fold().to(target.device) if clf is not None else None
+    capture = LayerCapture(target.model, clf.layer) if clf is not None else None
+    drafter.start(batch, sampling, target.device, needs_logits=acceptance.rule.needs_draft_logits)
+    batch.followers += [target, drafter, length]
+    pending = [list(p) for p in batch.prompts]  # committed tokens the target has not seen, per batch row
+    workspace = Workspace(len(batch), length.max_draft_tokens, target.device)  # reused by every block
+    blocks = 0
+    try:
+        length.start(batch, target.model, drafter, (*acceptance.key(), sampling.temperature, sampling.top_p))
+        while batch.live:
+            start = time.perf_counter()
+            # Never draft past the largest budget: k drafts and one correction/bonus token make at most k + 1.
+            limit = max(batch.budget(j) for j in range(len(batch)))
+            k, predicted = length.next(batch, drafter, target.width, max(map(len, pending)), limit)
+            proposal = drafter.propose(batch, k) if k else None
+            accepted, tokens, relaxed = _verify(target, proposal, pending, batch, length, acceptance, sampling,
+                                                folded, capture, workspace, blocks)
+            blocks += 1
+            verified, finished = _commit(target, drafter, proposal, batch, pending, accepted, tokens, relaxed)
+            length.observe(accepted if proposal is not None else [], verified, time.perf_counter() - start)
+            batch.record_block(proposal.k if proposal is not None else 0, predicted, time.perf_counter() - start)
+            keep = batch.end_block(finished)
+            if finished:
+                pending[:] = [pending[j] for j in keep]
+    finally:
+        if capture is not None:
+            capture.remove()
+        length.finish()
+        drafter.finish(batch)
+
+
+def _verify(target, proposal: Proposal | None, pending, batch, length, acceptance: Acceptance, sampling: Sampling,
+            folded, capture, workspace, block: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """One target forward over [unseen committed..., d_1..d_k] of every row, then the fused op. Returns per
+    row (accepted drafts, next token, relaxed flags of the drafts): the block's one device-to-host sync. A
+    block without drafts is a plain target step: nothing for the classifier to judge."""
+    b, device, vocab = len(batch), target.device, target.vocab
+    k = proposal.k if proposal is not None else 0
+    drafts = proposal.tokens if proposal is not None else torch.empty((b, 0), dtype=torch.long, device=device)
+    ids, fed = left_pad(pending, device)
+    judge = capture is not None and k > 0
+    if capture is not None:
+        capture.keep = k + 1
+    logits = length.forward(target, torch.cat([ids, drafts], 1),
+                            torch.cat([fed, torch.ones((b, k), dtype=torch.bool)], 1), k + 1)
+    uniforms, exponentials = random_draws(sampling.generator, b, k, vocab, device)
+    draft_probs = None
+    if sampling.generator is not None:
+        if proposal is None:
+            draft_probs = logits.new_zeros((b, 0, vocab), dtype=torch.float32)
+        elif proposal.probs is not None:
+            draft_probs = proposal.probs.to(device)
+        else:  # a deterministic proposal: the draft "samples" its token with probability one
+            draft_probs = torch.nn.functional.one_hot(drafts, vocab).float()
+    draft_logits = None
+    if acceptance.rule.needs_draft_logits:
+        draft_logits = (proposal.logits.to(logits.dtype) if proposal is not None
+                        else logits.new_empty((b, 0, vocab)))
+    res = verify_block(
+        warp_logits(logits, sampling.temperature, sampling.top_p), drafts,
+        capture.value if judge else None, folded if judge else None,
+        sigma=acceptance.sigma, floor=acceptance.floor, temperature=sampling.temperature,
+        draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials, rule=acceptance.rule,
+        backend=acceptance.backend, out=workspace, draft_logits=draft_logits,
+        num_drafts=proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None else None,
+    )
+    bad = (~torch.isfinite(res.entropy).all()).long()[None]
+    host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted.long().flatten()]).tolist()
+    if host[2 * b]:
+        raise nonfinite_error(block)
+    relaxed = [host[2 * b + 1 + j * k : 2 * b + 1 + (j + 1) * k] for j in range(b)]
+    return host[:b], host[b : 2 * b], relaxed
+
+
+def _commit(target, drafter, proposal: Proposal | None, batch: RowBatch, pending, accepted, tokens,
+            relaxed) -> tuple[list[int], list[int]]:
+    """Commit each row's accepted prefix and its correction/bonus token; the columns of its rejected drafts
+    become holes in the target's cache (it fed [unseen..., d_1..d_k]); count only committed drafts.
+    Returns (drafts verified per row, finished batch rows)."""
+    b = len(batch)
+    k = proposal.k if proposal is not None else 0
+    host_drafts = proposal.tokens.tolist() if proposal is not None else [[] for _ in range(b)]
+    holes = torch.zeros((b, k + 1), dtype=torch.bool)
+    verified, finished, kept_rows = [], [], []
+    for j in range(b):
+        n, own = accepted[j], (proposal.length(j) if proposal is not None else 0)
+        budget = batch.budget(j)
+        kept, done = batch.commit(j, host_drafts[j][:n] + [tokens[j]])
+        c = len(kept)  # n + 1 unless an EOS or the budget cut the block short
+        holes[j, c:] = True
+        pending[j] = [tokens[j]]
+        s = batch.row_stats(j)
+        committed = min(n, c)
+        s.target_forwards += 1
+        # Alone, this row would have drafted only up to its own budget: count those drafts only.
+        s.draft_forwards += min(proposal.forwards[j], budget) if proposal is not None else 0
+        s.drafted += min(own, budget)
+        s.accepted += committed
+        s.relaxed_accepted += sum(relaxed[j][:committed])
+        s.draft_lengths[k] = s.draft_lengths.get(k, 0) + 1
+        verified.append(own)
+        kept_rows.append(kept)
+        if done:
+            finished.append(j)
+    target.drop(holes)
+    drafter.commit(batch, proposal, accepted, kept_rows)
+    return verified, finished
