@@ -94,7 +94,7 @@ def _target_joint(target, prompt, temperature, top_p):
     return torch.stack(rows)  # [V, V]
 
 
-def _generated_pairs(target, draft, prompt, samples, backend=None, copies=2000):
+def _generated_pairs(target, draft, prompt, samples, backend=None, copies=2000, drafter=None):
     """Counts [V * V] of the first two new tokens over ``samples`` draws, taken as batches of ``copies`` rows
     of the prompt: every row draws its own random numbers (tests/test_generate_batch.py checks that rows of
     a batch sample independently, each as alone), so one call gives ``copies`` draws."""
@@ -103,7 +103,8 @@ def _generated_pairs(target, draft, prompt, samples, backend=None, copies=2000):
     P = prompt.shape[1]
     for seed in range(samples // copies):
         out = pad.generate(target, draft, prompt.expand(copies, -1), policy="exact", num_draft_tokens=2,
-                           max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend).sequences
+                           max_new_tokens=2, temperature=0.8, top_p=0.9, seed=seed, backend=backend,
+                           drafter=drafter).sequences
         counts += torch.bincount(out[:, P] * V + out[:, P + 1], minlength=V * V)
     return counts
 
@@ -122,6 +123,18 @@ def test_generate_samples_like_the_target(small_vocab_pair, monkeypatch):
     assert _p_value(_generated_pairs(target, draft, prompt, 20_000), joint) > ALPHA
     monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
     assert _p_value(_generated_pairs(target, draft, prompt, 20_000, backend="torch"), joint) < ALPHA
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_draft_free_proposals_sample_like_the_target(small_vocab_pair, monkeypatch, drafter):
+    """A lookup proposal is a draft drawn with probability one: exact sampling must still give the target's
+    distribution (the prompt repeats "1 5", so the first block drafts [2, 1] from it in every row)."""
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 5, 2, 1, 5]])
+    joint = _target_joint(target, prompt, 0.8, 0.9)
+    assert _p_value(_generated_pairs(target, draft, prompt, 20_000, drafter=drafter), joint) > ALPHA
+    monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
+    assert _p_value(_generated_pairs(target, draft, prompt, 20_000, backend="torch", drafter=drafter), joint) < ALPHA
 
 
 def test_no_top_p_work_when_top_p_is_one(monkeypatch):

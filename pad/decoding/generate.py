@@ -21,7 +21,6 @@ from .hf import eos_ids, kv_bytes_per_token, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
 from .policy import DEFAULT_SIGMA, Policy, parse_policy
 from .rows import RowBatch
-from .sampling import sampling_probs, warp_logits  # noqa: F401 (their home before pad.decoding.sampling)
 from .speculative import Acceptance, nonfinite_error, random_draws
 from .stats import GenerationStats
 

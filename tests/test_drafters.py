@@ -1,0 +1,220 @@
+"""Drafters: lookup and suffix proposals against brute-force references, and every drafter decoding exactly
+(the target's greedy tokens) through pad.generate, batched, with stop tokens and a chosen K."""
+import random
+
+import pytest
+import torch
+
+import pad
+from pad.decoding.decoder import left_padded
+from pad.decoding.drafters import LookupDrafter, NgramIndex, Proposal, SuffixDrafter, make_drafter, pack
+from pad.decoding.drafters.suffix import SuffixCounts
+from pad.decoding.rows import RowBatch
+from schedules import Schedule
+from tiny import greedy_from_scratch, tiny_pair
+
+
+def _lookup_reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup written from its definition: the longest suffix n-gram, its latest earlier occurrence."""
+    end = len(tokens)
+    for n in range(min(max_n, end), min_n - 1, -1):
+        suffix = tokens[end - n:]
+        for i in range(end - 2, n - 2, -1):  # occurrence ending at i < end - 1, latest first
+            if tokens[i - n + 1 : i + 1] == suffix:
+                return tokens[i + 1 : i + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_matches_its_definition_as_the_context_grows(seed):
+    rng = random.Random(seed)
+    vocab, max_n, min_n = rng.choice([3, 5, 9]), rng.randint(1, 4), 1
+    min_n = rng.randint(1, max_n)
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+    index = NgramIndex(tokens, max_n, min_n)
+    for _ in range(40):
+        k = rng.randint(1, 7)
+        got, n = index.match(k)
+        assert got == _lookup_reference(tokens, k, max_n, min_n)
+        assert (n == 0) == (got == [])
+        new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+        tokens += new
+        index.extend(new)
+
+
+def _suffix_reference(row: list[int], outputs: list[list[int]], k: int, depth: int, min_match: int,
+                      min_share: float) -> list[int]:
+    """The suffix walk recomputed from scratch: counts of (context of d tokens -> next) over the row and the
+    remembered outputs, longest context first, the most frequent next token (ties: latest in the row, then
+    the smallest id)."""
+    def counts(context):
+        c = {}
+        for seq in [row, *outputs]:
+            for i in range(len(context), len(seq)):
+                if seq[i - len(context) : i] == context:
+                    c[seq[i]] = c.get(seq[i], 0) + 1
+        return c
+
+    latest = {t: i for i, t in enumerate(row)}
+    ctx, out = list(row), []
+    while len(out) < k:
+        for d in range(min(depth, len(ctx)), min_match - 1, -1):
+            c = counts(ctx[len(ctx) - d:])
+            if c:
+                break
+        else:
+            break
+        token = max(c, key=lambda t: (c[t], latest.get(t, -1), -t))
+        if c[token] < min_share * sum(c.values()):
+            break
+        out.append(token)
+        ctx.append(token)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_suffix_walk_matches_counts_recomputed_from_scratch(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 4, 7])
+    depth, min_match, share = rng.randint(2, 5), 1, rng.choice([0.0, 0.3])
+    min_match = rng.randint(1, depth)
+    drafter = SuffixDrafter(max_depth=depth, min_match=min_match, min_share=share)
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(2, 12))] for _ in range(3)]
+    for o in outputs:
+        drafter.remember(o)
+    rows = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in range(2)]
+    batch = RowBatch(rows, 50, set())
+    drafter.start(batch, None, "cpu")
+    for _ in range(15):
+        k = rng.randint(1, 6)
+        got = [tokens for tokens, _ in drafter.matches(k)]
+        assert got == [_suffix_reference(r, outputs, k, depth, min_match, share) for r in rows]
+        kept = [[rng.randrange(vocab) for _ in range(rng.randint(1, 3))] for _ in rows]
+        drafter.commit(batch, None, [0, 0], kept)
+        for r, t in zip(rows, kept):
+            r += t
+
+
+def test_suffix_memory_is_bounded_and_forgets_the_oldest_first():
+    drafter = SuffixDrafter(max_depth=3, max_cached_tokens=10)
+    outputs = [[1, 2, 3, 4], [5, 6, 7], [1, 2, 9, 9], [4, 4, 4]]
+    for o in outputs:
+        drafter.remember(o)
+    assert drafter.cached_tokens == 10 and list(drafter.outputs) == outputs[1:]  # 4 + 3 + 4 > 10: the first goes
+    fresh = SuffixCounts(3)
+    for o in outputs[1:]:
+        fresh.add(o, 0, len(o))
+    assert drafter.global_counts.table == fresh.table  # the forgotten outputs left no count behind
+    drafter.remember(list(range(11)))  # longer than the whole memory: not kept
+    assert list(drafter.outputs) == outputs[1:]
+
+
+def _repeating_prompts(seed: int, rows: int, vocab: int = 96) -> list[list[int]]:
+    """Prompts with repeated spans, so that lookup finds matches from the first block."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(rows):
+        span = torch.randint(0, vocab, (3 + i,), generator=g).tolist()
+        prompts.append(span + torch.randint(0, vocab, (2,), generator=g).tolist() + span)
+    return prompts
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "suffix", "hybrid"])
+@pytest.mark.parametrize("k", [3, "schedule"])
+def test_every_drafter_decodes_the_targets_greedy_tokens(drafter, k):
+    target, draft = tiny_pair("llama")
+    prompts = _repeating_prompts(1, 3)
+    ids, mask = left_padded(prompts)
+    eos = {7}
+    num = Schedule([0, 4, 1, 6, 2]) if k == "schedule" else k
+    out = pad.generate(target, draft if drafter in ("model", "hybrid") else None, ids, attention_mask=mask,
+                       policy="exact", drafter=drafter, num_draft_tokens=num, max_new_tokens=24, eos_token_id=7)
+    for i, p in enumerate(prompts):
+        want = greedy_from_scratch(target, p, 24, eos)
+        assert out.sequences[i, ids.shape[1] : ids.shape[1] + len(want)].tolist() == want
+        assert int(out.lengths[i]) == len(want)
+    s = out.stats
+    assert s.new_tokens == int(out.lengths.sum()) and s.accepted <= s.drafted
+    if drafter in ("lookup", "suffix"):
+        assert s.draft_forwards == 0
+    if drafter == "lookup":
+        assert s.drafted > 0  # the repeated spans gave proposals
+
+
+def test_auto_k_with_lookup_stays_exact():
+    target, _ = tiny_pair("llama")
+    prompts = _repeating_prompts(2, 2)
+    ids, mask = left_padded(prompts)
+    out = pad.generate(target, None, ids, attention_mask=mask, policy="exact", drafter="lookup",
+                       num_draft_tokens="auto", max_draft_tokens=5, max_new_tokens=16)
+    for i, p in enumerate(prompts):
+        assert out.sequences[i, ids.shape[1]:].tolist() == greedy_from_scratch(target, p, 16)
+
+
+def test_hybrid_runs_the_model_only_for_rows_without_a_long_match():
+    """At B = 1 a block with a lookup match of at least min_match tokens runs no draft forward."""
+    target, draft = tiny_pair("llama")
+    prompt = _repeating_prompts(3, 1)[0]
+    hybrid = make_drafter("hybrid", draft)
+    out = pad.generate(target, draft, torch.tensor([prompt]), policy="exact", drafter=hybrid, num_draft_tokens=4,
+                       max_new_tokens=20)
+    assert out.sequences[0, len(prompt):].tolist() == greedy_from_scratch(target, prompt, 20)
+    assert hybrid.free_blocks > 0 and hybrid.model_blocks > 0  # the first block looked up, later ones drafted
+    # Each model block drafts 4 (the last may be cut by the budget); lookup blocks none.
+    assert 4 * (hybrid.model_blocks - 1) < out.stats.draft_forwards <= 4 * hybrid.model_blocks
+
+
+class _Constant:
+    """A drafter of one's own: always proposes the same tokens (mostly wrong), one row shorter than K."""
+
+    name, has_logits = "constant", False
+
+    def start(self, batch, sampling, device, needs_logits=False):
+        self.device = device
+
+    def propose(self, batch, k):
+        return pack([[5] * (k - (j % 2)) for j in range(len(batch))], k, self.device)
+
+    def commit(self, batch, proposal, accepted, kept):
+        pass
+
+    def select(self, keep):
+        pass
+
+    def seconds(self, k, rows):
+        return 0.0
+
+    def finish(self, batch):
+        pass
+
+
+def test_a_drafter_of_ones_own_and_ragged_proposals():
+    target, _ = tiny_pair("llama")
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    ids, mask = left_padded(prompts)
+    out = pad.generate(target, None, ids, attention_mask=mask, drafter=_Constant(), num_draft_tokens=3,
+                       max_new_tokens=10)
+    for i, p in enumerate(prompts):
+        assert out.sequences[i, ids.shape[1]:].tolist() == greedy_from_scratch(target, p, 10)
+    assert isinstance(pack([[1], []], 2, "cpu"), Proposal)
+
+
+def test_drafter_errors_are_clear():
+    target, draft = tiny_pair("llama")
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="reads the draft's distribution.*'lookup'"):
+        pad.generate(target, None, ids, policy="kl@0.5", drafter="lookup")
+    with pytest.raises(ValueError, match="unknown drafter 'ngram'"):
+        pad.generate(target, draft, ids, drafter="ngram")
+    with pytest.raises(ValueError, match="drafter 'hybrid' needs a draft model"):
+        pad.generate(target, None, ids, drafter="hybrid")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        pad.generate(target, None, ids, policy="exact")
+    with pytest.raises(ValueError, match="draft_stop .* drafter 'lookup' runs none"):
+        pad.generate(target, None, ids, drafter="lookup", draft_stop=0.5)
+    with pytest.raises(ValueError, match="decodes with one model"):
+        pad.generate(target, None, ids, policy="target", drafter="lookup")
+    with pytest.raises(TypeError, match="drafter must be one of"):
+        pad.generate(target, None, ids, drafter=3)
+    with pytest.raises(ValueError, match="min_ngram"):
+        LookupDrafter(max_ngram=1, min_ngram=2)
