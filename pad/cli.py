@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from .decoding.drafters import NAMES as DRAFTERS
+from .decoding.drafters import NEEDS_MODEL
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
 from .errors import PadError
@@ -92,7 +94,8 @@ def _generate(args) -> int:
 
     name = parse_policy(args.policy).name if args.policy else None  # a bad policy fails before loading models
     classifier = _classifier(args) if name == "pivot" or args.classifier else None
-    target, tokenizer, draft = _load_pair(args, need_draft=name != "target")
+    target, tokenizer, draft = _load_pair(args, need_draft=name == "draft" or (
+        name != "target" and args.drafter in NEEDS_MODEL))
     text = args.prompt
     if args.chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -105,7 +108,7 @@ def _generate(args) -> int:
     result = generate(
         target, draft, input_ids, policy=args.policy, classifier=classifier,
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens, sigma=args.sigma,
-        floor=args.floor, draft_stop=args.draft_stop,
+        floor=args.floor, draft_stop=args.draft_stop, drafter=args.drafter if name not in ("target", "draft") else None,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         callback=stream if args.stream else None,
     )
@@ -159,7 +162,7 @@ def _bench(args) -> int:
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,
                      draft_stop=args.draft_stop, max_draft_tokens=args.max_draft_tokens,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None,
-                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, drafter=args.drafter)
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     how = f"temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed}" if sampled else "greedy"
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
@@ -329,6 +332,9 @@ DRAFT_STOP_HELP = ("adaptive draft length: a row stops drafting after a token at
 DRAFT_LENGTH_HELP = (f"draft tokens per block (default {DEFAULT_K}), or auto: each block's K chosen from the "
                      "models' measured forward costs and the rows' acceptance so far (0 = a plain target step)")
 MAX_DRAFT_HELP = "with -k auto: the largest K a block may take (default 12)"
+DRAFTER_HELP = ("what proposes the drafts: model (the draft model), lookup (prompt lookup: no draft model), "
+                "suffix (frequent continuations of the context and earlier outputs), hybrid (lookup where its "
+                "match is long enough, else the draft model)")
 
 
 def _draft_length(text: str):
@@ -357,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-draft-tokens", type=int, help=MAX_DRAFT_HELP)
     g.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
     g.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP)
+    g.add_argument("--drafter", choices=DRAFTERS, default="model", help=DRAFTER_HELP)
     g.add_argument("--floor", type=float, default=1e-4)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -376,7 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--policies", default="target,exact,hf-assisted",
                    help="comma-separated: target, draft, exact, pivot@SIGMA, typical[@EPS,DELTA], threshold@TAU, "
                         "fly[@GATE,WINDOW], hf-assisted (transformers' assisted generation, one problem at a time), "
-                        "hf-target (transformers' batched generate, target alone)")
+                        "hf-lookup (transformers' prompt lookup decoding, one problem at a time), hf-target "
+                        "(transformers' batched generate, target alone); a speculative policy may name its "
+                        "drafter after a slash and its K after a colon: exact/lookup:auto, pivot@0.3/hybrid")
+    b.add_argument("--drafter", choices=DRAFTERS, default="model",
+                   help=DRAFTER_HELP + " (of the policies without their own, POLICY/DRAFTER)")
     b.add_argument("--batch-size", "-b", type=int, default=1,
                    help="problems decoded together per policy (tokens/s is then aggregate)")
     b.add_argument("--num-draft-tokens", "-k", type=_draft_length, default=DEFAULT_K,

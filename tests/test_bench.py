@@ -34,6 +34,36 @@ def test_parse_policies():
             bench.parse_policies(bad)
 
 
+def test_parse_policies_with_their_drafters():
+    specs = bench.parse_policies("exact/lookup:auto,pivot@0.3/hybrid,typical@0.09,0.3/suffix:4,exact,hf-lookup:6")
+    assert [(s.name, s.policy, s.drafter, s.k) for s in specs] == [
+        ("exact/lookup:auto", "exact", "lookup", "auto"), ("pivot@0.3/hybrid", "pivot", "hybrid", None),
+        ("typical@0.09,0.3/suffix:4", "typical", "suffix", 4), ("exact", "exact", None, None),
+        ("hf-lookup:6", "hf-lookup", None, 6)]
+    assert specs[1].sigma == 0.3 and specs[2].parsed.rule.b == 0.3
+    for bad, said in (("exact/ngram", "unknown drafter 'ngram'"), ("target/lookup", "takes no draft length or drafter"),
+                      ("hf-assisted/lookup", "takes no pad drafter")):
+        with pytest.raises(ValueError, match=said):
+            bench.parse_policies(bad)
+
+
+def test_bench_runs_draft_free_rows_beside_transformers_prompt_lookup(tmp_path):
+    """exact with lookup, suffix and hybrid give the target's answers; hf-lookup runs; the log names drafters."""
+    target, draft, tok, problems = _bench_setup()
+    problems = problems[:2]
+    specs = bench.parse_policies("target,exact/lookup,exact/suffix:3,exact/hybrid,hf-lookup")
+    log = tmp_path / "runs.jsonl"
+    rows = bench.run("gsm8k", problems, target, draft, tok, specs, num_draft_tokens=4, max_new_tokens=10,
+                     progress=False, log=log, batch_size=2)
+    by = {r["policy"]: r for r in rows}
+    for name in ("exact/lookup", "exact/suffix:3", "exact/hybrid"):
+        assert by[name]["new_tokens"] == by["target"]["new_tokens"] and by[name]["accuracy"] == by["target"]["accuracy"]
+    assert by["hf-lookup"]["new_tokens"] > 0
+    settings = {r["policy"]: r["settings"] for r in (json.loads(line) for line in log.read_text().splitlines())}
+    assert settings["exact/lookup"]["drafter"] == "lookup" and settings["exact/hybrid"]["drafter"] == "hybrid"
+    assert "drafter" not in settings["target"] and settings["hf-lookup"]["batch_size"] == 1
+
+
 def test_bench_runs_each_policy_at_its_own_draft_length(tmp_path):
     """exact at K = 2 and auto beside the target: the same answers, the K each asked for in the run log."""
     target, draft, tok, problems = _bench_setup()

@@ -21,6 +21,7 @@ from .hf import eos_ids, kv_bytes_per_token, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
 from .policy import DEFAULT_SIGMA, Policy, parse_policy
 from .rows import RowBatch
+from .sampling import warp_logits
 from .speculative import Acceptance, nonfinite_error, random_draws
 from .stats import GenerationStats
 

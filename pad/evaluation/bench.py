@@ -18,15 +18,18 @@ import torch
 
 from ..decoding.decoder import left_padded
 from ..decoding.draft_length import DEFAULT_MAX_DRAFT_TOKENS
+from ..decoding.drafters import NAMES as DRAFTERS
 from ..decoding.generate import DECODE_VERSION, generate
 from ..decoding.policy import Policy, parse_policy
 from ..errors import PadError
 from ..models.registry import check_weights
 from .. import jsonl
-from . import tasks
 from ..machine import machine_line, speed_probe
+from . import tasks
 
-HF_POLICIES = ("hf-assisted", "hf-target")  # transformers' own generate, as baselines
+# transformers' own generate, as baselines: assisted generation with the draft model, prompt lookup, the target
+HF_POLICIES = ("hf-assisted", "hf-lookup", "hf-target")
+ONE_AT_A_TIME = ("hf-assisted", "hf-lookup")  # transformers refuses batches there
 # New tokens of the untimed decode that precedes each policy's first timed run (lazy initialisation and,
 # on GPUs, kernel compilation stay out of the timings).
 WARMUP_TOKENS = 8
@@ -40,26 +43,35 @@ PROBE_TOLERANCE = 0.05
 @dataclass
 class PolicySpec:
     name: str  # as written: "pivot@0.5"
-    policy: str  # "target" | "draft" | "exact" | "pivot" | "typical" | "threshold" | "fly" | "hf-assisted" | "hf-target"
+    policy: str  # "target" | "draft" | "exact" | "pivot" | "typical" | "threshold" | "fly" | "hf-assisted" | "hf-lookup" | "hf-target"
     sigma: float = 0.0
     parsed: Policy | None = None  # for pad.generate's policies
     k: int | str | None = None  # its own draft length ("exact:4", "exact:auto"); None: the bench's
+    drafter: str | None = None  # its own drafter ("exact/lookup"); None: the bench's
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """``"target,exact,pivot@0.5,typical@0.09,0.3,exact:4,exact:auto"`` -> specs; raises ValueError on an
+    """``"target,exact,pivot@0.5,typical@0.09,0.3,exact:4,exact/lookup:auto"`` -> specs; raises ValueError on an
     unknown name or bad settings. Policies are separated by commas; a policy's own settings by commas too, so
     a comma followed by a number continues the policy before it (``typical@0.09,0.3,fly`` is two policies).
-    A speculative policy may end in ``:K`` or ``:auto``, its own draft length (else the bench's ``-k``)."""
+    A speculative policy may name its drafter after a slash (``pivot@0.3/hybrid``; else the bench's
+    ``--drafter``) and end in ``:K`` or ``:auto``, its own draft length (else the bench's ``-k``):
+    ``POLICY[@SETTINGS][/DRAFTER][:K]``."""
     specs, names = [], []
     for part in (t.strip() for t in text.split(",") if t.strip()):
-        if names and "@" in names[-1] and ":" not in names[-1] and _is_number(part.partition(":")[0]):
+        if (names and "@" in names[-1] and ":" not in names[-1] and "/" not in names[-1]
+                and _is_number(part.partition(":")[0].partition("/")[0])):
             names[-1] += "," + part
         else:
             names.append(part)
     for name in names:
         base, _, k_text = name.partition(":")
         k = parse_draft_length(k_text, name) if k_text else None
+        base, _, drafter = base.partition("/")
+        if drafter and drafter not in DRAFTERS:
+            raise ValueError(f"{name}: unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if drafter and base in HF_POLICIES:
+            raise ValueError(f"{name}: {base} is transformers' own decoding: it takes no pad drafter")
         if base in HF_POLICIES:
             if k == "auto":
                 raise ValueError(f"{name}: transformers' assisted generation runs at a fixed K here (hf-assisted:K)")
@@ -71,9 +83,9 @@ def parse_policies(text: str) -> list[PolicySpec]:
             raise ValueError(f"{e}; the benchmark also runs {', '.join(HF_POLICIES)}") from None
         if parsed.name == "pivot" and parsed.sigma is None:
             raise ValueError("write the pivot policy with its sigma: pivot@SIGMA")
-        if k is not None and parsed.name in ("target", "draft"):
-            raise ValueError(f"{name}: policy {parsed.name} drafts nothing, so it takes no draft length")
-        specs.append(PolicySpec(name, parsed.name, parsed.sigma or 0.0, parsed, k))
+        if (k is not None or drafter) and parsed.name in ("target", "draft"):
+            raise ValueError(f"{name}: policy {parsed.name} drafts nothing, so it takes no draft length or drafter")
+        specs.append(PolicySpec(name, parsed.name, parsed.sigma or 0.0, parsed, k, drafter or None))
     if not specs:
         raise ValueError("no policies given")
     if len({s.name for s in specs}) < len(specs):
@@ -184,22 +196,32 @@ HF_ASSISTED = {"num_assistant_tokens_schedule": "constant", "assistant_confidenc
 
 
 def _hf_assisted(target, draft, ids, k, max_new_tokens, eos) -> tuple[list[int], float, int]:
-    """transformers' assisted generation at K draft tokens -> (new tokens, seconds, target forwards)."""
+    """transformers' assisted generation at K draft tokens -> (new tokens, seconds, target forwards); with
+    ``draft`` None its prompt lookup decoding (``prompt_lookup_num_tokens=K``, its own n-gram settings)."""
+    if draft is None:
+        return _hf_generate(target, ids, max_new_tokens, eos, prompt_lookup_num_tokens=k)
     config = draft.generation_config
     saved = {key: getattr(config, key, None) for key in ("num_assistant_tokens", *HF_ASSISTED)}
-    forwards = [0]
-    hook = target.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     try:
         for key, value in {"num_assistant_tokens": k, **HF_ASSISTED}.items():
             setattr(config, key, value)
+        return _hf_generate(target, ids, max_new_tokens, eos, assistant_model=draft)
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def _hf_generate(target, ids, max_new_tokens, eos, **extra) -> tuple[list[int], float, int]:
+    """One greedy ``target.generate`` of one row -> (new tokens, seconds, target forwards)."""
+    forwards = [0]
+    hook = target.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    try:
         start = time.perf_counter()
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
-                              max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0, **extra)
         seconds = time.perf_counter() - start
     finally:
         hook.remove()
-        for key, value in saved.items():
-            setattr(config, key, value)
     return out[0, ids.shape[1]:].tolist(), seconds, forwards[0]
 
 
@@ -233,16 +255,17 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
         num_draft_tokens: int | str, max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
         settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1,
         draft_stop: float | None = None, max_draft_tokens: int | None = None, temperature: float = 0.0,
-        top_p: float = 1.0, seed: int = 0) -> list[dict]:
+        top_p: float = 1.0, seed: int = 0, drafter: str = "model") -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
-    Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` one at a time:
-    transformers refuses batches there); accuracy and acceptance stay per problem, tokens/s is aggregate.
+    Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` and ``hf-lookup`` one at
+    a time: transformers refuses batches there); accuracy and acceptance stay per problem, tokens/s is aggregate.
     With ``log``, finished runs are appended there and runs already in it (same ``settings``) are not
     repeated: an interrupted benchmark resumes, and baseline runs survive a new classifier. ``models``: a
     callable returning (target, draft), called the first time a run is missing, in place of ``target`` and
     ``draft`` (so a table of logged runs is printed without loading any weights). ``num_draft_tokens``: K of
     the policies without their own (``PolicySpec.k``); ``"auto"`` with ``max_draft_tokens`` as in ``generate``.
+    ``drafter``: that of the speculative policies without their own (``PolicySpec.drafter``).
     ``temperature`` > 0 samples (with ``top_p``); each batch of problems draws from its own generator, seeded by
     ``seed`` and its first problem (``group_seed``), so a run repeats whatever ran before it in the process.
     """
@@ -268,6 +291,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     base.update(sampling)  # absent when greedy, so that the greedy logs stay valid
     extra = {"pivot": {"classifier": classifier.checksum() if classifier is not None else None, "floor": floor},
              "hf-assisted": {"hf_assisted": HF_ASSISTED}}
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     totals = {s.name: PolicyTotals() for s in specs}
     correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
     warm = set()  # policies warmed up in this process
@@ -276,11 +301,16 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         for spec in specs:
-            size = 1 if spec.policy == "hf-assisted" else len(chunk)
+            size = 1 if spec.policy in ONE_AT_A_TIME else len(chunk)
             k = spec.k if spec.k is not None else num_draft_tokens
+            spec_drafter = None
+            if spec.policy not in HF_POLICIES and spec.policy not in ("target", "draft"):
+                spec_drafter = spec.drafter or drafter
             for group in (chunk[i : i + size] for i in range(0, len(chunk), size)):
                 key = {**base, **extra.get(spec.policy, {}), "k": k,
-                       "batch_size": 1 if spec.policy == "hf-assisted" else batch_size}
+                       "batch_size": 1 if spec.policy in ONE_AT_A_TIME else batch_size}
+                if spec_drafter not in (None, "model"):  # absent for the draft model, so older logs stay valid
+                    key["drafter"] = spec_drafter
                 if k == "auto":
                     key["max_draft_tokens"] = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS
                 found = [runs.find(key, p.id, spec.name) for p in group]
@@ -294,11 +324,12 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
                                    k, min(WARMUP_TOKENS, max_new_tokens), eos, score=False,
-                                   draft_stop=draft_stop, max_draft_tokens=max_draft_tokens, sampling=sampling)
+                                   draft_stop=draft_stop, max_draft_tokens=max_draft_tokens, sampling=sampling,
+                                   drafter=spec_drafter)
                         warm.add(spec.name)
                     fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
                                        k, max_new_tokens, eos, draft_stop=draft_stop,
-                                       max_draft_tokens=max_draft_tokens, sampling=sampling)
+                                       max_draft_tokens=max_draft_tokens, sampling=sampling, drafter=spec_drafter)
                     for i, (p, record) in enumerate(zip(group, fresh)):
                         if found[i] is None:  # counted as logged, so a table from the log alone is the same
                             found[i] = {"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
@@ -497,16 +528,17 @@ def group_seed(seed: int, first_problem: str) -> int:
 
 def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
                score: bool = True, draft_stop: float | None = None, max_draft_tokens: int | None = None,
-               sampling: dict | None = None) -> list[dict]:
+               sampling: dict | None = None, drafter: str | None = None) -> list[dict]:
     """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
     PolicyTotals adds up; ``seconds`` and, with auto K, the predicted and measured block times are the
     batch's split evenly over its rows). ``score=False``: a warm-up, not scored. ``sampling``: temperature,
-    top_p and seed (empty: greedy)."""
+    top_p and seed (empty: greedy). ``drafter``: the speculative policies' drafter."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     batch, mask = left_padded(ids, pad)
     _reset_peak_memory()
-    if spec.policy == "hf-assisted":
-        new, seconds, forwards = _hf_assisted(target, draft, batch, k, max_new_tokens, eos)
+    if spec.policy in ONE_AT_A_TIME:
+        new, seconds, forwards = _hf_assisted(target, draft if spec.policy == "hf-assisted" else None, batch, k,
+                                              max_new_tokens, eos)
         rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0})]
     elif spec.policy == "hf-target":
         news, seconds, forwards = _hf_target(target, batch, mask, max_new_tokens, eos, pad)
@@ -515,7 +547,8 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
                           classifier=classifier if spec.policy == "pivot" else None, floor=floor,
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                          draft_stop=draft_stop, max_draft_tokens=max_draft_tokens if k == "auto" else None,
+                          draft_stop=draft_stop if drafter in ("model", "hybrid") else None,
+                          max_draft_tokens=max_draft_tokens if k == "auto" else None, drafter=drafter,
                           **({"temperature": sampling["temperature"], "top_p": sampling["top_p"],
                               "seed": group_seed(sampling["seed"], group[0].id)} if sampling else {}))
         seconds, P, total = result.stats.wall_time, batch.shape[1], result.stats
