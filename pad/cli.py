@@ -57,7 +57,8 @@ def _add_models(parser) -> None:
 
 
 def _add_task(parser, split: str) -> None:
-    parser.add_argument("--task", required=True, help="gsm8k or humaneval")
+    parser.add_argument("--task", required=True, help="gsm8k, humaneval or specbench (no answers: speed and "
+                                                      "closeness to the target's replies only)")
     parser.add_argument("--split", default=split)
     parser.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.evaluation.tasks)")
 
@@ -135,6 +136,10 @@ def _bench(args) -> int:
     if not 0 <= args.start < args.limit:
         raise ValueError(f"--start must be at least 0 and below --limit ({args.limit}), got {args.start}")
     problems = tasks.load(args.task, args.split, data, limit=args.limit)[args.start :]
+    if args.per_category is not None:
+        if args.per_category < 1:
+            raise ValueError(f"--per-category must be at least 1, got {args.per_category}")
+        problems = tasks.per_category(problems, args.per_category)
     if not problems:
         raise ValueError(f"{data} has no problems from index {args.start} on")
     classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
@@ -151,6 +156,8 @@ def _bench(args) -> int:
     # One log for any --limit (and, when sampling, any --seed: its records say theirs).
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}{sampled}"
     span = f"{args.start}-{args.start + len(problems) - 1}" if args.start else f"{len(problems)}"
+    if args.per_category is not None:
+        span = f"{args.per_category}_per_category" + (f"_from{args.start}" if args.start else "")
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
@@ -378,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task(b, "dev")
     _add_models(b)
     b.add_argument("--limit", type=int, default=20, help="only the first N problems of the file")
+    b.add_argument("--per-category", type=int, help="then only the first N of each category (specbench)")
     b.add_argument("--start", type=int, default=0, help="skip the problems before this index of the file (for "
                                                         "problems kept apart to choose settings on)")
     b.add_argument("--policies", default="target,exact,hf-assisted",

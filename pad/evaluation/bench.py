@@ -120,6 +120,7 @@ def _is_number(text: str) -> bool:
 class PolicyTotals:
     problems: int = 0
     correct: int = 0
+    scored: int = 0  # problems with a right or wrong answer (none on a task without answers)
     new_tokens: int = 0
     wall_time: float = 0.0
     target_forwards: int = 0
@@ -142,7 +143,9 @@ class PolicyTotals:
         self.batch_size = max(self.batch_size, record.get("batch_size", 1))
         peak = record.get("peak_mib", math.nan)
         self.peak_mib = peak if math.isnan(self.peak_mib) else max(self.peak_mib, peak)
-        self.correct += record["correct"]
+        if record["correct"] is not None:
+            self.correct += record["correct"]
+            self.scored += 1
         self.new_tokens += record["new_tokens"]
         self.wall_time += record["seconds"]
         self.target_forwards += record["target_forwards"]
@@ -167,7 +170,7 @@ class PolicyTotals:
         return {
             "policy": name,
             "problems": self.problems,
-            "accuracy": self.correct / self.problems if self.problems else nan,
+            "accuracy": self.correct / self.scored if self.scored else nan,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else nan,
             "mean_accepted_length": self.new_tokens / self.target_forwards if self.target_forwards else nan,
             "target_forwards_per_token": (self.target_forwards / self.new_tokens
@@ -341,11 +344,13 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     note = f"{spec.name}: from {log.name}"
                 for p, record in zip(group, found):
                     totals[spec.name].add(record)
-                    correct[spec.name][p.id] = bool(record["correct"])
+                    if record["correct"] is not None:
+                        correct[spec.name][p.id] = bool(record["correct"])
                 bar.update(len(group))
                 bar.set_postfix_str(note)
     bar.close()
-    return summary_rows(totals, {name: [c[p.id] for p in problems] for name, c in correct.items()})
+    return summary_rows(totals, {name: [c[p.id] for p in problems] for name, c in correct.items()
+                                 if len(c) == len(problems)})
 
 
 def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], reference: str = "target") -> list[dict]:
@@ -561,7 +566,8 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
     records = []
     for problem, (new, counts) in zip(group, rows):
         reply = tokenizer.decode(new, skip_special_tokens=True)
-        records.append({"correct": bool(tasks.correct(task, problem, reply)) if score else None,
+        right = tasks.correct(task, problem, reply) if score else None
+        records.append({"correct": bool(right) if right is not None else None,
                         "new_tokens": len(new), "seconds": seconds / len(group), **counts, "batch_size": len(group),
                         "peak_mib": peak,
                         "reply": reply})  # kept in the run log, so that every accuracy figure can be audited

@@ -6,6 +6,10 @@
 - ``humaneval``: Python functions; a completion is right when ``prompt + completion + test +
   check(entry_point)`` runs without error within a time limit in ``pad.evaluation.sandbox`` (no network, its own
   process namespace, resource limits).
+- ``specbench``: Spec-Bench (arXiv 2401.07851; ``data/spec_bench/question.jsonl`` of the hemingkx/Spec-Bench
+  repository: 480 questions in 13 categories), the first turn of each question as one user message. It
+  carries no answers, so nothing is scored: its figures are speed per category, and for relaxed rules how
+  close their replies come to the target's (``bench/specbench.py``). No copy ships: give its path.
 
 Data comes from a JSONL path, else from ``$PAD_DATA``, else from a ``shared/data`` folder beside the
 working directory or the source tree (``<dir>/<task>/<split>.jsonl``), else (HumanEval dev only) from
@@ -27,10 +31,11 @@ from pathlib import Path
 from ..errors import PadError
 from . import sandbox
 
-TASKS = ("gsm8k", "humaneval")
+TASKS = ("gsm8k", "humaneval", "specbench")
 # Bumped whenever a task's scoring changes (gsm8k 2: a \\boxed{} answer beats later numbers): label
 # folders and benchmark run logs record it, so that answers scored by an older utility are never mixed in.
-UTILITY_VERSION = {"gsm8k": 2, "humaneval": 1}
+UTILITY_VERSION = {"gsm8k": 2, "humaneval": 1, "specbench": 0}
+SCORED = ("gsm8k", "humaneval")  # tasks with a utility function
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 
@@ -39,8 +44,9 @@ _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 class Problem:
     id: str
     question: str  # what the user asks (GSM8K question; HumanEval function prompt)
-    reference: str  # GSM8K: the reference number; HumanEval: the test code
+    reference: str  # GSM8K: the reference number; HumanEval: the test code; Spec-Bench: none
     entry_point: str = ""  # HumanEval only
+    category: str = ""  # Spec-Bench only
 
 
 def data_dirs() -> list[Path]:
@@ -66,6 +72,8 @@ def data_path(task: str, split: str, path: str | os.PathLike | None = None) -> P
         return packaged_data(task, split)
     raise FileNotFoundError(
         f"no {task}/{split}.jsonl found in {', '.join(str(d) for d in data_dirs())}; pass a JSONL path or set PAD_DATA"
+        + ("(Spec-Bench's questions: data/spec_bench/question.jsonl of github.com/hemingkx/Spec-Bench)"
+           if task == "specbench" else "")
     )
 
 
@@ -139,6 +147,9 @@ def load(task: str, split: str = "dev", path=None, limit: int | None = None) -> 
             try:
                 if task == "gsm8k":
                     problems.append(Problem(f"gsm8k/{split}/{i}", rec["question"], gsm8k_reference(rec["answer"])))
+                elif task == "specbench":
+                    problems.append(Problem(f"specbench/{rec['category']}/{rec['question_id']}", rec["turns"][0], "",
+                                            category=rec["category"]))
                 else:
                     problems.append(Problem(rec["task_id"], rec["prompt"], rec["test"], rec["entry_point"]))
             except KeyError as e:
@@ -147,6 +158,17 @@ def load(task: str, split: str = "dev", path=None, limit: int | None = None) -> 
 
 
 # ----------------------------------------------------------------------------------------------- GSM8K
+def per_category(problems: list[Problem], n: int) -> list[Problem]:
+    """The first ``n`` problems of each category, in file order (Spec-Bench's categories)."""
+    seen: dict[str, int] = {}
+    kept = []
+    for p in problems:
+        if seen.get(p.category, 0) < n:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            kept.append(p)
+    return kept
+
+
 def _normalize_number(text: str) -> Decimal | None:
     text = text.replace(",", "").replace("$", "").rstrip(".")
     try:
@@ -215,6 +237,8 @@ def messages(task: str, problem: Problem) -> list[dict]:
         return [{"role": "system", "content": GSM8K_SYSTEM},
                 {"role": "user", "content": problem.question
                  + "\nSolve step by step, then give the final answer as a number after '####'."}]
+    if task == "specbench":
+        return [{"role": "user", "content": problem.question}]
     return [{"role": "user", "content": "Complete this Python function. Reply with the whole function in one "
              "```python code block.\n\n```python\n" + problem.question + "```"}]
 
@@ -268,14 +292,18 @@ def humaneval_completion(problem: Problem, reply: str) -> str:
 def outcome(task: str, problem: Problem, reply: str) -> tuple[object, bool]:
     """(the reply's outcome, is it right): GSM8K: the final number (None without one); HumanEval: pass/fail
     is the outcome. Two replies with equal outcomes give the same answer."""
+    if task not in SCORED:
+        raise ValueError(f"task {task} has no answers to score: use {' or '.join(SCORED)}")
     if task == "gsm8k":
         return extract_answer(reply), gsm8k_correct(reply, problem.reference)
     ok = correct(task, problem, reply)
     return ok, ok
 
 
-def correct(task: str, problem: Problem, reply: str) -> bool:
-    """The task's utility: is this model reply a right answer?"""
+def correct(task: str, problem: Problem, reply: str) -> bool | None:
+    """The task's utility: is this model reply a right answer? None for a task without answers (Spec-Bench)."""
+    if task not in SCORED:
+        return None
     if task == "gsm8k":
         return gsm8k_correct(reply, problem.reference)
     return humaneval_correct(problem, humaneval_completion(problem, reply))
