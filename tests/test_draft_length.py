@@ -129,7 +129,7 @@ def test_chooser_picks_the_argmax_of_planted_costs_and_acceptances(seed):
     target = {t: 0.2 + float(np.sum(steps[: t - 1])) for t in range(1, kmax + 2)}
     draft = {1: float(rng.uniform(0.005, 0.12))}
     acceptance = rng.uniform(0.2, 0.99, int(rng.integers(1, 9)))
-    chooser = AutoDraftLength(kmax, target_cost=_Planted(target), draft_cost=_Planted(draft))
+    chooser = AutoDraftLength(kmax, target_cost=_Planted(target), draft_cost=_Planted(draft), min_gain=0.0)
     chooser.overhead = 0.01
 
     def rate(k):  # expected tokens per second of the batch, written out
@@ -152,13 +152,31 @@ def test_chooser_counts_only_the_drafts_a_row_can_propose(seed):
     target = {t: 0.2 + 0.02 * (t - 1) for t in range(1, kmax + 2)}
     acceptance = rng.uniform(0.3, 0.99, 4)
     caps = rng.integers(0, kmax + 1, 4)
-    chooser = AutoDraftLength(kmax, target_cost=_Planted(target))
+    chooser = AutoDraftLength(kmax, target_cost=_Planted(target), min_gain=0.0)
 
     def rate(k):
         return sum(sum(a ** i for i in range(min(k, c) + 1)) for a, c in zip(acceptance, caps)) / target[k + 1]
 
     k, _ = chooser.choose(acceptance, lambda k: 0.0, 100, caps=caps)
     assert k == max(range(int(caps.max()) + 1), key=rate)
+
+
+@pytest.mark.parametrize("gain", [0.05, 0.3])
+def test_chooser_speculates_only_beyond_its_own_prediction_error(gain):
+    """K > 0 only where its predicted rate beats a plain step's by more than min_gain; with min_gain None, by
+    the mean relative error of the blocks it predicted (PRIOR_MIN_GAIN before 4 of them)."""
+    target = {t: 1.0 + 0.05 * (t - 1) for t in range(1, 6)}
+    acceptance = [0.3] * 2
+    rates = [sum(sum(a ** i for i in range(k + 1)) for a in acceptance) / (target[k + 1] + 0.02 * k)
+             for k in range(5)]
+    best = max(range(1, 5), key=lambda k: rates[k])
+    chooser = AutoDraftLength(4, target_cost=_Planted(target), min_gain=gain)
+    k, _ = chooser.choose(acceptance, lambda k: 0.02 * k, 100)
+    assert k == (best if rates[best] > rates[0] * (1 + gain) else 0)
+    auto = AutoDraftLength(4, target_cost=_Planted(target))
+    assert auto.gain_needed() == dl.PRIOR_MIN_GAIN
+    auto.errors.extend([0.1, 0.3, 0.2, 0.2])
+    assert auto.gain_needed() == pytest.approx(0.2)
 
 
 def test_chooser_waits_for_speculation_to_pay_for_the_drafts_prefill():

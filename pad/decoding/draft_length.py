@@ -36,6 +36,11 @@ PRIOR_TRIALS = 4.0
 # scaled down to this many so that its own blocks soon outweigh them.
 REMEMBERED_TRIALS = 64.0
 DEFAULT_MAX_DRAFT_TOKENS = 12
+# Speculating (K > 0) must beat a plain target step by more than the chooser's own recent error in predicting
+# block times (mean |predicted - measured| / measured over the last blocks); before enough blocks were timed,
+# by this much.
+PRIOR_MIN_GAIN = 0.1
+TIMED_BLOCKS_KEPT = 16
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
@@ -361,10 +366,13 @@ class AutoDraftLength:
     ``target_cost`` / ``draft_cost``: cost models to use (anything with ``predict(rows, tokens, columns)``);
     None: the process-wide ones of the models (``forward_cost``), probed on first use where they lack the
     shapes a choice needs, after reading the models' saved profiles (``pad-decoding profile``) where there are.
+    ``min_gain``: a K > 0 is chosen only where its predicted rate beats a plain target step's by more than this
+    share; None: by the chooser's recent relative error in predicting block times (``PRIOR_MIN_GAIN`` until
+    4 blocks were timed), so that a prediction within its own noise does not speculate at a loss.
     """
 
     def __init__(self, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, *, target_cost=None, draft_cost=None,
-                 prior_acceptance: float = PRIOR_ACCEPTANCE):
+                 prior_acceptance: float = PRIOR_ACCEPTANCE, min_gain: float | None = None):
         if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) or max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
         if not 0.0 <= prior_acceptance < 1.0:
@@ -372,8 +380,13 @@ class AutoDraftLength:
         self.max_draft_tokens = max_draft_tokens
         self.target_cost, self.draft_cost = target_cost, draft_cost
         self.prior_acceptance = prior_acceptance
+        if min_gain is not None and not min_gain >= 0:
+            raise ValueError(f"min_gain must be None or >= 0, got {min_gain!r}")
+        self.min_gain = min_gain
         self.overhead = 0.0  # seconds of a block outside the forwards (running mean)
         self._overheads = 0
+        self.errors = deque(maxlen=TIMED_BLOCKS_KEPT)  # |predicted - measured| / measured of recent blocks
+        self._predicted = math.nan
 
     # --- the DraftLength protocol: what the decode calls --------------------------------------------------
 
@@ -394,20 +407,28 @@ class AutoDraftLength:
 
     def next(self, batch, drafter, target_width: int, target_pending: int, limit: int) -> tuple[int, float]:
         """(K, predicted seconds) of the next block."""
-        self._start = time.perf_counter()
         available = getattr(drafter, "available", None)
         catch_up = getattr(drafter, "catch_up", None)
-        return self.choose(
+        k, self._predicted = self.choose(
             self._acceptance.estimates(), lambda k: drafter.seconds(k, len(batch)), target_width,
             target_pending=target_pending, catch_up=catch_up(len(batch)) if catch_up else 0.0, limit=limit,
             remaining=sum(batch.budget(j) for j in range(len(batch))) / len(batch),
             caps=available(self.max_draft_tokens) if available else None)
+        return k, self._predicted
 
     def observe(self, accepted: list[int], verified: list[int], seconds: float) -> None:
-        """A block's result: per row the drafts accepted and verified (empty lists after K = 0)."""
+        """A block's result: per row the drafts accepted and verified (empty lists after K = 0), its seconds."""
         if verified:
             self._acceptance.update(accepted, verified)
         self.record_overhead(seconds - self.clock.take())
+        if math.isfinite(self._predicted) and seconds > 0:
+            self.errors.append(abs(self._predicted - seconds) / seconds)
+
+    def gain_needed(self) -> float:
+        """The share by which speculating must beat a plain target step (see ``min_gain``)."""
+        if self.min_gain is not None:
+            return self.min_gain
+        return float(np.mean(self.errors)) if len(self.errors) >= 4 else PRIOR_MIN_GAIN
 
     def select(self, keep: list[int]) -> None:
         self._acceptance.select(keep)
@@ -478,21 +499,22 @@ class AutoDraftLength:
         caps = np.full(rows, self.max_draft_tokens) if caps is None else np.asarray(caps)
         top = self.max_draft_tokens if limit is None else max(0, min(limit, self.max_draft_tokens))
         top = min(top, int(caps.max()) if rows else 0)
-        best = None
-        for k in range(top + 1):
-            per_row = float(np.mean([expected_tokens(a, min(k, int(c))) for a, c in zip(acceptance, caps)]))
-            # The target's pending tokens (the prompt, at the first block) cost the same whatever K: left out.
-            weighed = self.block_time(k, rows, target_columns, draft_seconds)
-            if k:
-                weighed += catch_up / max(1.0, remaining / per_row)
-            if not weighed > 0:
-                continue
-            rate = per_row / weighed
-            if best is None or rate > best[0]:
-                best = (rate, k)
-        if best is None:  # no usable prediction: fall back to the largest K
+        # Expected tokens of every row at every K at once: 1 + a + ... + a^min(K, cap).
+        drafts = np.minimum(np.arange(top + 1)[None, :], caps[:, None])  # [B, K + 1]
+        a = acceptance[:, None]
+        safe = np.minimum(a, 0.5)  # where a >= 1 the sum is drafts + 1 (the formula's value is discarded)
+        per_row = np.where(a >= 1.0, drafts + 1.0,
+                           (1.0 - np.where(a < 1.0, a, safe) ** (drafts + 1)) / (1.0 - np.where(a < 1.0, a, safe)))
+        per_row = per_row.mean(0)  # [K + 1]
+        # The target's pending tokens (the prompt, at the first block) cost the same whatever K: left out.
+        weighed = np.array([self.block_time(k, rows, target_columns, draft_seconds) for k in range(top + 1)])
+        weighed[1:] += catch_up / np.maximum(1.0, remaining / per_row[1:])
+        rate = np.where(weighed > 0, per_row / np.where(weighed > 0, weighed, 1.0), np.nan)
+        if not np.isfinite(rate).any():  # no usable prediction: fall back to the largest K
             return top, math.nan
-        k = best[1]
+        k = int(np.nanargmax(rate))
+        if k and np.isfinite(rate[0]) and rate[k] <= rate[0] * (1 + self.gain_needed()):
+            k = 0  # within the prediction's own error of a plain step: not worth the risk
         return k, self.block_time(k, rows, target_columns, draft_seconds, target_pending) + (catch_up if k else 0.0)
 
     def record_overhead(self, seconds: float) -> None:
