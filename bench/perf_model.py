@@ -78,13 +78,13 @@ def case(B: int, K: int, itemsize: int, gpu: dict, splits: int | None, res: dict
 def resources_table() -> dict:
     """Resources of the kernels the model uses, sm_90: Triton's, then CUDA's (a block is 256 threads)."""
     from pad_kernels.cuda_aot import resources as cuda_resources
-    from pad_kernels.triton.aot import _compile, jobs, resources
+    from pad_kernels.triton.aot import compile_kernel, jobs, resources
 
     out = {}
     for name, kernel, sig, constexprs in jobs():
         plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False" in name
         if ("bf16" in name or "fp32" in name) and (("_split_stats" in name and PLAIN_STATS in name) or plain_accept):
-            out[name] = resources(_compile(kernel, sig, constexprs, 90))
+            out[name] = resources(compile_kernel(kernel, sig, constexprs, 90))
     for name, r in cuda_resources(90).items():
         if name in {f"{k}[{d}]" for k in ("split_stats_kernel", "draw_kernel") for d in ("bf16", "fp32")} | \
                 {"accept_kernel[bf16, bf16]", "accept_kernel[fp32, fp32]"}:
@@ -109,8 +109,8 @@ def main() -> None:
         for gname, gpu in GPUS.items():
             for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
                 if backend == "triton":
-                    res = {"stats": table[f"_split_stats_kernel[{dtype}, {PLAIN_STATS}]"],
-                           "accept": table[f"_accept_kernel[{dtype}, HAS_CLF=False, SAMPLING=False, HAS_ND=False, "
+                    res = {"stats": table[f"split_stats_kernel[{dtype}, {PLAIN_STATS}]"],
+                           "accept": table[f"accept_kernel[{dtype}, HAS_CLF=False, SAMPLING=False, HAS_ND=False, "
                                            "RULE=exact, HAS_DRAFT=False]"]}
                 else:
                     res = {"stats": table[f"split_stats_kernel[{dtype}]"], "accept": table[f"accept_kernel[{dtype}, {dtype}]"]}

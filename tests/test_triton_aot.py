@@ -24,7 +24,7 @@ def test_triton_kernels_compile_for_sm80_and_sm90():
     assert proc.stdout.count("sm_80 ") == proc.stdout.count("sm_90 ") == 186
     for rule, modes in (("exact", 4), ("typical", 2), ("threshold", 2), ("fly", 1), ("kl", 2), ("topk", 2)):
         assert proc.stdout.count(f"RULE={rule},") == 2 * 3 * 4 * modes, rule
-    assert proc.stdout.count("_draw_kernel[") == 2 * 3 * 2
+    assert proc.stdout.count("draw_kernel[") == 2 * 3 * 2
     assert proc.stdout.count("HAS_ND=True") == proc.stdout.count("HAS_ND=False") == 2 * 3 * 27
     assert proc.stdout.count("HAS_DRAFT=True") == 2 * 3 * (4 + 16)
 
@@ -53,7 +53,7 @@ def test_model_predicts_b1_k10_near_the_floor():
     script = Path(__file__).resolve().parents[1] / "bench" / "perf_model.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"\| `_split_stats_kernel\[bf16, SCALED=False, HAS_DRAFT=False, RANKED=False\]` \| \d+ \| 0 B \|",
+    assert re.search(r"\| `split_stats_kernel\[bf16, SCALED=False, HAS_DRAFT=False, RANKED=False\]` \| \d+ \| 0 B \|",
                      proc.stdout)
     assert re.search(r"\| `split_stats_kernel\[bf16\]` \| \d+ \| 0 B \|", proc.stdout)  # the CUDA kernels' too
     for backend in ("triton", "cuda"):

@@ -20,6 +20,7 @@ from ..decoding.decoder import left_padded
 from ..decoding.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from ..decoding.drafters import NAMES as DRAFTERS
 from ..decoding.generate import DECODE_VERSION, generate
+from ..decoding.rows import cut
 from ..decoding.policy import Policy, parse_policy
 from ..errors import PadError
 from ..models.registry import check_weights
@@ -216,16 +217,26 @@ def _hf_assisted(target, draft, ids, k, max_new_tokens, eos) -> tuple[list[int],
 
 def _hf_generate(target, ids, max_new_tokens, eos, **extra) -> tuple[list[int], float, int]:
     """One greedy ``target.generate`` of one row -> (new tokens, seconds, target forwards)."""
+    rows, seconds, forwards = _hf_batch(target, ids, torch.ones_like(ids), max_new_tokens, eos,
+                                        eos[0] if eos else 0, **extra)
+    return rows[0], seconds, forwards
+
+
+def _hf_batch(target, ids, mask, max_new_tokens, eos, pad, **extra) -> tuple[list[list[int]], float, int]:
+    """transformers' greedy ``target.generate`` of a left-padded batch -> (new tokens per row, each cut after
+    its EOS, seconds, target forwards)."""
     forwards = [0]
     hook = target.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     try:
         start = time.perf_counter()
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0, **extra)
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=pad, **extra)
         seconds = time.perf_counter() - start
     finally:
         hook.remove()
-    return out[0, ids.shape[1]:].tolist(), seconds, forwards[0]
+    # finished rows are padded after their EOS
+    rows = [cut(row, max_new_tokens, eos or ())[0] for row in out[:, ids.shape[1]:].tolist()]
+    return rows, seconds, forwards[0]
 
 
 class RunLog:
@@ -506,25 +517,6 @@ def _peak_memory_mib() -> float:
     return math.nan
 
 
-def _hf_target(target, ids, mask, max_new_tokens, eos, pad) -> tuple[list[list[int]], float, int]:
-    """transformers' own batched greedy generate with the target alone -> (new tokens per row, seconds,
-    target forwards)."""
-    forwards = [0]
-    hook = target.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
-    try:
-        start = time.perf_counter()
-        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                              eos_token_id=eos, pad_token_id=pad)
-        seconds = time.perf_counter() - start
-    finally:
-        hook.remove()
-    rows = []
-    for row in out[:, ids.shape[1]:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if eos and t in eos), len(row))
-        rows.append(row[:end])  # finished rows are padded after their EOS
-    return rows, seconds, forwards[0]
-
-
 def group_seed(seed: int, first_problem: str) -> int:
     """The seed of a sampled batch: fixed by the run's seed and the batch's first problem (its composition is
     fixed by --start, --limit and --batch-size), not by what the process ran before."""
@@ -546,7 +538,7 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
                                               max_new_tokens, eos)
         rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0})]
     elif spec.policy == "hf-target":
-        news, seconds, forwards = _hf_target(target, batch, mask, max_new_tokens, eos, pad)
+        news, seconds, forwards = _hf_batch(target, batch, mask, max_new_tokens, eos, pad)
         rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0}) for new in news]
     else:
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,

@@ -39,6 +39,7 @@ from pad_kernels import verify_block
 
 from ..decoding.decoder import Decoder, left_pad
 from ..decoding.hf import LayerCapture
+from ..decoding.rows import cut
 
 
 @dataclass
@@ -179,8 +180,9 @@ class Continuations:
         """Append the row's next token; True when the job is finished."""
         if job.budget == 0 or (job.draft_token is not None and job.draft_token in self.eos and not job.generated):
             return True  # a draft token that ends the text: nothing follows it
-        job.generated.append(token)
-        return token in self.eos or len(job.generated) >= job.budget
+        kept, done = cut([token], job.budget - len(job.generated), self.eos)
+        job.generated += kept
+        return done
 
     def _join(self, jobs: list[Job]) -> list[Finished]:
         """Feed joining jobs in groups of similar first inputs; finished ones come back in ``jobs``' order."""

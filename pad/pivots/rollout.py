@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.hf import forward_tail
+from ..decoding.decoder import Decoder, left_pad
+from ..decoding.rows import RowBatch
 
 
 @dataclass(frozen=True)
@@ -28,20 +29,21 @@ def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def _padded_cache(cache, lengths: list[int]):
-    """A DynamicCache of len(lengths) rows: row i holds the first lengths[i] positions, left-padded."""
-    from transformers import DynamicCache
-
+def _row_caches(cache, lengths: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per layer keys and values [R, H, W, D] whose row i holds the first lengths[i] positions of the one
+    cached sequence, right-aligned, and which columns each row holds: valid [R, W] (host bool)."""
     width = max(lengths)
-    data = []
-    for keys, values in _cache_layers(cache):
-        k = keys.new_zeros((len(lengths), keys.shape[1], width, keys.shape[3]))
-        v = values.new_zeros((len(lengths), values.shape[1], width, values.shape[3]))
+    keys, values = [], []
+    for k1, v1 in _cache_layers(cache):
+        k = k1.new_zeros((len(lengths), k1.shape[1], width, k1.shape[3]))
+        v = v1.new_zeros((len(lengths), v1.shape[1], width, v1.shape[3]))
         for i, n in enumerate(lengths):
-            k[i, :, width - n :] = keys[0, :, :n]
-            v[i, :, width - n :] = values[0, :, :n]
-        data.append((k, v))
-    return DynamicCache(ddp_cache_data=data)
+            k[i, :, width - n :] = k1[0, :, :n]
+            v[i, :, width - n :] = v1[0, :, :n]
+        keys.append(k)
+        values.append(v)
+    valid = torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]
+    return keys, values, valid
 
 
 @torch.inference_mode()
@@ -50,46 +52,30 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
     """Continuations after each start's token, each at most ``max_new_tokens`` long and ending at an EOS.
 
     ``cache`` holds the keys/values of one sequence [1, S] with S >= every start's length; it is not
-    modified. Greedy when ``temperature`` is 0, else sampled from softmax(logits / temperature).
+    modified. Greedy when ``temperature`` is 0, else sampled from softmax(logits / temperature). The rows
+    decode as one ``RowBatch`` on one ``Decoder`` (masks, positions, rows leaving as they finish).
     """
     if not starts:
         return []
     held = cache.get_seq_length()
     if any(not 0 < s.length <= held for s in starts):
         raise ValueError(f"every start length must be in [1, {held}] (the cached tokens)")
-    lengths = [s.length for s in starts]
-    width, rows = max(lengths), len(starts)
-    device = next(model.parameters()).device
-    batch_cache = _padded_cache(cache, lengths)
-    mask = torch.zeros((rows, width + 1), dtype=torch.long, device=device)
-    for i, n in enumerate(lengths):
-        mask[i, width - n :] = 1
-    positions = torch.tensor(lengths, device=device)[:, None]
-    x = torch.tensor([[s.token] for s in starts], device=device)
-    out: list[list[int]] = [[] for _ in starts]
-    alive = [i for i, s in enumerate(starts) if s.token not in eos]  # batch row j continues starts[alive[j]]
-    if len(alive) < rows:
-        batch_cache.batch_select_indices(torch.tensor(alive, dtype=torch.long, device=device))
-        mask, positions, x = mask[alive], positions[alive], x[alive]
-    for _ in range(max_new_tokens):
-        if not alive:
-            break
-        logits = forward_tail(model, x, 1, attention_mask=mask, position_ids=positions, cache=batch_cache,
-                              use_cache=True).logits[:, -1, :vocab].float()
+    batch = RowBatch([[s.token] for s in starts], max_new_tokens, eos)
+    if max_new_tokens == 0:
+        return batch.new
+    dec = Decoder(model, vocab, 0)
+    dec.add_rows(*_row_caches(cache, [s.length for s in starts]))
+    batch.followers.append(dec)
+    batch.end_block([j for j, s in enumerate(starts) if s.token in eos])  # nothing follows an EOS
+    pending = [[starts[r].token] for r in batch.live]
+    while batch.live:
+        ids, fed = left_pad(pending, dec.device)
+        logits = dec.forward(ids, fed, keep=1)[:, -1].float()
         if temperature == 0:
-            nxt = logits.argmax(-1)
+            tokens = logits.argmax(-1).tolist()
         else:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        keep = []
-        for j, token in enumerate(nxt.tolist()):
-            out[alive[j]].append(token)
-            if token not in eos:
-                keep.append(j)
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
-        positions, x = positions + 1, nxt[:, None]
-        if len(keep) < len(alive):  # finished rows leave the batch, so a long row does not carry dead ones
-            idx = torch.tensor(keep, dtype=torch.long, device=device)
-            batch_cache.batch_select_indices(idx)
-            mask, positions, x = mask[idx], positions[idx], x[idx]
-            alive = [alive[j] for j in keep]
-    return out
+            tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0].tolist()
+        finished = [j for j, t in enumerate(tokens) if batch.commit(j, [t])[1]]
+        keep = batch.end_block(finished)
+        pending = [[tokens[j]] for j in keep]
+    return batch.new

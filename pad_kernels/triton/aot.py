@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
 
-def _compile(kernel, signature: dict, constexprs: dict, arch: int):
+def compile_kernel(kernel, signature: dict, constexprs: dict, arch: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,7 +56,7 @@ def jobs():
     """(name, kernel, signature, constexprs) for every specialization the launcher can ask for."""
     from ..types import RULES, SAMPLING_RULES
     from ..splits import split_plan
-    from .verify_block import _accept_kernel, _draw_kernel, _split_stats_kernel, launch_config
+    from .verify_block import accept_kernel, draw_kernel, split_stats_kernel, launch_config
 
     # B = 1, K = 10 on an H100 (132 multiprocessors): the vocabulary split the most, the widest merge tile.
     slices, _ = split_plan(11, 151936, 132)
@@ -67,14 +67,14 @@ def jobs():
             sig = dict(logits_ptr=dptr, draft_logits_ptr=dptr, drafts_ptr="*i64", part_ptr="*fp32",
                        part_sum_ptr="*fp64", part_arg_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32",
                        temperature="fp32")
-            yield (f"_split_stats_kernel[{dname}, SCALED={scaled}, HAS_DRAFT={has_draft}, RANKED={ranked}]",
-                   _split_stats_kernel, sig, dict(SCALED=scaled, HAS_DRAFT=has_draft, RANKED=ranked, BLOCK_V=block_v))
+            yield (f"split_stats_kernel[{dname}, SCALED={scaled}, HAS_DRAFT={has_draft}, RANKED={ranked}]",
+                   split_stats_kernel, sig, dict(SCALED=scaled, HAS_DRAFT=has_draft, RANKED=ranked, BLOCK_V=block_v))
         for has_nd in (False, True):
             sig = dict(logits_ptr=dptr, draft_probs_ptr="*fp32", exponentials_ptr="*fp32", num_accepted_ptr="*i64",
                        num_drafts_ptr="*i64", row_ms_ptr="*fp32", race_ptr="*fp32", race_arg_ptr="*i64",
                        done_ptr="*i32", next_token_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32",
                        temperature="fp32")
-            yield (f"_draw_kernel[{dname}, HAS_ND={has_nd}]", _draw_kernel, sig,
+            yield (f"draw_kernel[{dname}, HAS_ND={has_nd}]", draw_kernel, sig,
                    dict(HAS_ND=has_nd, BLOCK_V=block_v, SPC=16))
         for has_clf, sampling, rule, has_nd, has_draft in itertools.product(
                 (False, True), (False, True), range(len(RULES)), (False, True), (False, True)):
@@ -94,16 +94,16 @@ def jobs():
                        divergence_ptr="*fp32", K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32",
                        temperature="fp32",
                        rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64")
-            yield (f"_accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
+            yield (f"accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
                    f"RULE={RULES[rule]}, HAS_DRAFT={has_draft}]",
-                   _accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd,
+                   accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd,
                                              HAS_DRAFT=has_draft, **cfg))
 
 
 def _compile_job(arch: int, index: int):
     """(name, cubin bytes, resources) of the index-th job of ``jobs()`` compiled for ``arch``."""
     name, kernel, sig, constexprs = list(jobs())[index]
-    compiled = _compile(kernel, sig, constexprs, arch)
+    compiled = compile_kernel(kernel, sig, constexprs, arch)
     return name, len(compiled.asm.get("cubin", b"")), resources(compiled)
 
 

@@ -1,11 +1,11 @@
 """Triton backend of ``verify_block``: two kernels per block, three when sampling.
 
-1. ``_split_stats_kernel``, one program per (row, position, vocabulary slice), flash-decoding's split: an
+1. ``split_stats_kernel``, one program per (row, position, vocabulary slice), flash-decoding's split: an
    online softmax over its slice in chunks (running max, sum of exp, sum of exp * (x - max), argmax with
    the lowest index on ties, the three largest logits). The slices per position (S, ``split_plan``) are
    chosen so that the grid fills the GPU: at B = 1 and K = 10 the 11 positions alone would leave an H100's
    132 multiprocessors nearly idle.
-2. ``_accept_kernel``, one program per row: it needs every position of its row. It merges the S states of
+2. ``accept_kernel``, one program per row: it needs every position of its row. It merges the S states of
    each position exactly (as a tree; a tie of the maximum keeps the lowest index), which gives the entropy,
    the top-3 entropy, the argmax and ``p_target(d_i)`` (one logit read); the folded classifier runs on the
    row's K positions at once with ``tl.dot`` (hidden [KP, H] x W1 [H, D]), then the accepted prefix (exact
@@ -13,7 +13,7 @@
    token: the argmax at the first rejection. With the draft's logits, kernel 1 also runs the draft's online
    softmax and the cross term of KL(p || q) over the same slice, and for topk counts the tokens that rank
    above each draft token; kernel 2 merges them with the rest.
-3. ``_draw_kernel`` (sampling), one program per (row, vocabulary slice): the exponential race over the
+3. ``draw_kernel`` (sampling), one program per (row, vocabulary slice): the exponential race over the
    residual ``max(0, p - q)`` at the row's first rejection, split like kernel 1; the last program of a row
    to finish merges the slices' winners.
 All arithmetic is fp32 whatever the logits' dtype, but for the sums of exp(x - max), which add in fp64 (as the
@@ -66,7 +66,7 @@ def _draft_rescaled(dm, ds, new_dm):
 
 
 @triton.jit
-def _split_stats_kernel(
+def split_stats_kernel(
     logits_ptr,  # [B, K+1, V] fp32/bf16/fp16
     draft_logits_ptr,  # [B, K, V] (HAS_DRAFT)
     drafts_ptr,  # [B, K] int64 (RANKED)
@@ -179,7 +179,7 @@ def _merge(m, s, sd, t1, t2, dm, ds, cr, arg, ab, pm, ps, psd, p1, p2, pdm, pds,
 
 
 @triton.jit
-def _accept_kernel(
+def accept_kernel(
     logits_ptr,  # [B, K+1, V]
     drafts_ptr,  # [B, K] int64
     hidden_ptr,  # [B, K+1, H] (unused without a classifier)
@@ -190,9 +190,9 @@ def _accept_kernel(
     draft_probs_ptr,  # [B, K, V] fp32 (sampling)
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
-    part_ptr, part_sum_ptr, part_arg_ptr,  # [B, K+1, S, 7], [B, K+1, S] fp64, [B, K+1, S, 2] from _split_stats_kernel
-    row_ms_ptr,  # [B, 2] fp32 out (sampling): softmax max and sum at the row's first rejection, for _draw_kernel
-    done_ptr,  # [B] int32 out (sampling): zeroed here, counts _draw_kernel's finished slices
+    part_ptr, part_sum_ptr, part_arg_ptr,  # [B, K+1, S, 7], [B, K+1, S] fp64, [B, K+1, S, 2] from split_stats_kernel
+    row_ms_ptr,  # [B, 2] fp32 out (sampling): softmax max and sum at the row's first rejection, for draw_kernel
+    done_ptr,  # [B] int32 out (sampling): zeroed here, counts draw_kernel's finished slices
     entropy_ptr, top3_ptr,  # [B, K+1] fp32 out
     argmax_ptr,  # [B, K+1] int64 out
     token_prob_ptr,  # [B, K] fp32 out
@@ -340,7 +340,7 @@ def _accept_kernel(
     tl.store(num_accepted_ptr + b, n.to(tl.int64))
 
     # 3. The correction token at the first rejection, or the bonus token after K accepted: the argmax there
-    # (greedy), or _draw_kernel's race, which needs that position's softmax max and sum (sampling).
+    # (greedy), or draw_kernel's race, which needs that position's softmax max and sum (sampling).
     if SAMPLING:
         tl.store(row_ms_ptr + b * 2, tl.sum(tl.where(ks == n, m, 0.0), axis=0))
         tl.store(row_ms_ptr + b * 2 + 1, tl.sum(tl.where(ks == n, s, 0.0), axis=0))
@@ -350,13 +350,13 @@ def _accept_kernel(
 
 
 @triton.jit
-def _draw_kernel(
+def draw_kernel(
     logits_ptr,  # [B, K+1, V]
     draft_probs_ptr,  # [B, K, V] fp32
     exponentials_ptr,  # [B, V] fp32
-    num_accepted_ptr,  # [B] int64 from _accept_kernel
+    num_accepted_ptr,  # [B] int64 from accept_kernel
     num_drafts_ptr,  # [B] int64 (HAS_ND)
-    row_ms_ptr,  # [B, 2] fp32 from _accept_kernel
+    row_ms_ptr,  # [B, 2] fp32 from accept_kernel
     race_ptr,  # [B, S, 3] fp32 scratch: per slice the residual's sum and the two races' best keys
     race_arg_ptr,  # [B, S, 2] int64 scratch: the two races' winners
     done_ptr,  # [B] int32, 0 on entry (and on exit)
@@ -488,7 +488,7 @@ def verify_block_triton(
     has_draft = draft_logits is not None
     ranked = rule.name == "topk"
     if B * K1:
-        _split_stats_kernel[(B * K1, S)](
+        split_stats_kernel[(B * K1, S)](
             logits, draft_logits.contiguous() if has_draft else logits, drafts, part, part_sum, part_arg, K, V,
             split_len, S,
             float(temperature) if sampling else 1.0, SCALED=sampling, HAS_DRAFT=has_draft, RANKED=ranked,
@@ -511,7 +511,7 @@ def verify_block_triton(
         dp = un = ex = dummy
     row_ms = torch.empty(B * 2 if sampling else 1, dtype=torch.float32, device=dev)
     done = torch.empty(B if sampling else 1, dtype=torch.int32, device=dev)
-    _accept_kernel[(B,)](
+    accept_kernel[(B,)](
         logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_sum, part_arg, row_ms, done,
         out.entropy, out.top3_entropy, out.argmax, out.token_prob,
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token, out.divergence,
@@ -525,7 +525,7 @@ def verify_block_triton(
         S_d, len_d = split_plan(B, V, sm_count(dev), splits)  # B positions: one per row
         race = torch.empty(B * S_d * 3, dtype=torch.float32, device=dev)
         race_arg = torch.empty(B * S_d * 2, dtype=torch.int64, device=dev)
-        _draw_kernel[(B, S_d)](
+        draw_kernel[(B, S_d)](
             logits, dp, ex, out.num_accepted, num_drafts.contiguous() if num_drafts is not None else dummy, row_ms,
             race, race_arg, done, out.next_token, K, V, len_d, S_d, float(temperature),
             HAS_ND=num_drafts is not None, BLOCK_V=min(1024, triton.next_power_of_2(len_d)), SPC=16,
