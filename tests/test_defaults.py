@@ -77,3 +77,11 @@ def test_ci_runs_the_readmes_test_command():
         at = found[0]
     assert ci[at].endswith("--junitxml=\"$junit/fast.xml\"") and "-m" not in ci[at]
     assert any(" -m slow " in line for line in ci[at:]) and any(" -m toolchain " in line for line in ci[at:])
+
+
+def test_every_package_ships_in_the_wheel():
+    """A subpackage missing from pyproject's list imports in a checkout and fails in an installed wheel."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {str(p.parent.relative_to(ROOT)).replace("/", ".") for top in ("pad", "pad_kernels")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found == listed
