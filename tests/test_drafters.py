@@ -218,3 +218,15 @@ def test_drafter_errors_are_clear():
         pad.generate(target, None, ids, drafter=3)
     with pytest.raises(ValueError, match="min_ngram"):
         LookupDrafter(max_ngram=1, min_ngram=2)
+
+
+def test_the_shipped_drafters_and_lengths_follow_their_protocols():
+    from pad.decoding.draft_length import AutoDraftLength, DraftLength, FixedDraftLength
+    from pad.decoding.drafters import Drafter
+
+    target, draft = tiny_pair("llama")
+    for name in ("model", "lookup", "suffix", "hybrid"):
+        assert isinstance(make_drafter(name, draft, target=target), Drafter)
+    assert isinstance(_Constant(), Drafter)
+    assert isinstance(FixedDraftLength(3), DraftLength) and isinstance(AutoDraftLength(), DraftLength)
+    assert make_drafter("suffix", target=target) is make_drafter("suffix", target=target)  # one memory per target

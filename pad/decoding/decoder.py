@@ -115,6 +115,27 @@ def left_pad(rows: list[list[int]], device, pad: int = 0) -> tuple[torch.Tensor,
     return ids.to(device), fed
 
 
+def right_aligned(prefixes: list) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per-row cached prefixes -> the arguments of ``Decoder.add_rows``: per layer keys and values [R, H, W, D]
+    with row r's prefix in its last columns (zeros before), and valid [R, W] (host bool). ``prefixes[r]``:
+    (keys, values), per layer [H, n_r, D], or None for a row without one; at least one row has one."""
+    like = next(p for p in prefixes if p is not None)
+    widths = [0 if p is None else p[0][0].shape[1] for p in prefixes]
+    width, rows = max(widths), len(prefixes)
+    keys, values = [], []
+    for layer in range(len(like[0])):
+        H, _, D = like[0][layer].shape
+        k = like[0][layer].new_zeros((rows, H, width, D))
+        v = like[1][layer].new_zeros((rows, H, width, D))
+        for r, (p, w) in enumerate(zip(prefixes, widths)):
+            if w:
+                k[r, :, width - w :], v[r, :, width - w :] = p[0][layer], p[1][layer]
+        keys.append(k)
+        values.append(v)
+    valid = torch.arange(width)[None, :] >= width - torch.tensor(widths)[:, None]
+    return keys, values, valid
+
+
 def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (input_ids [B, P], attention_mask [B, P]) as ``pad.generate`` takes them: left-padded
     with ``pad``."""

@@ -18,6 +18,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -320,6 +321,33 @@ class ForwardClock:
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+
+@runtime_checkable
+class DraftLength(Protocol):
+    """How long each block's drafts are: what the decode core (``pad.decoding.speculative``) calls, in order
+    ``start`` once, per block ``next`` then ``forward`` (the target's verification forward, which it may time)
+    and ``observe``, ``select`` whenever rows leave the batch, ``finish`` once (also after an error)."""
+
+    max_draft_tokens: int  # the most a block drafts (the op's workspace is sized for it)
+
+    def start(self, batch, target, drafter, settings: tuple) -> None:
+        """Before the first block; ``settings``: what makes acceptance rates comparable between calls."""
+
+    def next(self, batch, drafter, target_width: int, target_pending: int, limit: int) -> tuple[int, float]:
+        """(K of the next block, 0 for a plain target step and at most ``limit``; its predicted seconds or NaN)."""
+
+    def forward(self, dec, ids: torch.Tensor, fed: torch.Tensor, keep: int) -> torch.Tensor:
+        """The target's forward (``Decoder.forward``)."""
+
+    def observe(self, accepted: list[int], verified: list[int], seconds: float) -> None:
+        """A block's result: per row drafts accepted and verified (empty after K = 0), and its seconds."""
+
+    def select(self, keep: list[int]) -> None:
+        """Only batch rows ``keep`` go on."""
+
+    def finish(self) -> None:
+        """After the last block."""
 
 
 class FixedDraftLength:

@@ -187,8 +187,7 @@ def generate(
     if drafter is not None and not speculating:
         raise ValueError(f"policy {policy!r} decodes with one model: a drafter applies to speculative policies only")
     if speculating:
-        drafter = make_drafter("model" if drafter is None and draft is not None else drafter or "model", draft,
-                               target=target, draft_stop=draft_stop)
+        drafter = make_drafter("model" if drafter is None else drafter, draft, target=target, draft_stop=draft_stop)
         if rule.needs_draft_logits and not drafter.has_logits:
             raise ValueError(f"policy {policy!r} reads the draft's distribution, which drafter {drafter.name!r} does "
                              "not give: use drafter='model' (a draft model), or a rule that reads the target alone")

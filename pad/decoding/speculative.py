@@ -17,6 +17,7 @@ from pad_kernels import AcceptRule, FoldedClassifier, Workspace, verify_block
 
 from ..models.classifier import PivotClassifier
 from .decoder import Decoder, left_pad
+from .draft_length import DraftLength
 from .drafters.base import Drafter, Proposal, Sampling
 from .hf import LayerCapture
 from .rows import RowBatch
@@ -54,10 +55,10 @@ def nonfinite_error(block: int) -> FloatingPointError:
     )
 
 
-def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length, acceptance: Acceptance,
+def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length: DraftLength, acceptance: Acceptance,
            sampling: Sampling) -> None:
     """Decode every row of ``batch`` to its end: blocks of draft / verify / commit until no row is live.
-    ``length``: a ``DraftLength`` (``FixedDraftLength`` or ``AutoDraftLength``)."""
+    ``length``: ``FixedDraftLength`` or ``AutoDraftLength`` (or another ``DraftLength``)."""
     clf = acceptance.classifier
     folded: FoldedClassifier | None = clf.fold().to(target.device) if clf is not None else None
     capture = LayerCapture(target.model, clf.layer) if clf is not None else None

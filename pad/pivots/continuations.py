@@ -37,7 +37,7 @@ import torch
 
 from pad_kernels import verify_block
 
-from ..decoding.decoder import Decoder, left_pad
+from ..decoding.decoder import Decoder, left_pad, right_aligned
 from ..decoding.hf import LayerCapture
 from ..decoding.rows import cut
 
@@ -195,24 +195,8 @@ class Continuations:
     def _join_group(self, jobs: list[Job]) -> list[Finished]:
         self.joins += 1
         temp = Decoder(self.model, self.vocab, len(jobs))
-        widths = [0 if j.prefix is None else j.prefix[0][0].shape[1] for j in jobs]
-        if max(widths) > 0:
-            like = next(j.prefix for j in jobs if j.prefix is not None)
-            width = max(widths)
-            keys, values = [], []
-            for layer in range(len(like[0])):
-                H, _, D = like[0][layer].shape
-                k = like[0][layer].new_zeros((len(jobs), H, width, D))
-                v = like[1][layer].new_zeros((len(jobs), H, width, D))
-                for r, (job, w) in enumerate(zip(jobs, widths)):
-                    if w:
-                        k[r, :, width - w :], v[r, :, width - w :] = job.prefix[0][layer], job.prefix[1][layer]
-                keys.append(k)
-                values.append(v)
-            valid = torch.zeros((len(jobs), width), dtype=torch.bool)
-            for r, w in enumerate(widths):
-                valid[r, width - w :] = True
-            temp.add_rows(keys, values, valid)
+        if any(j.prefix is not None and j.prefix[0][0].shape[1] for j in jobs):
+            temp.add_rows(*right_aligned([j.prefix for j in jobs]))
         # At least two columns, so that the verify position exists for every row (a hole before a
         # one-token first input is masked out like left padding).
         ids, fed = left_pad([j.first if len(j.first) > 1 else [0, *j.first] for j in jobs], self.device)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.decoder import Decoder, left_pad
+from ..decoding.decoder import Decoder, left_pad, right_aligned
 from ..decoding.rows import RowBatch
 
 
@@ -27,23 +27,6 @@ def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if layers is None:
         raise ValueError(f"batched rollouts need a transformers DynamicCache with .layers, got {type(cache).__name__}")
     return [(layer.keys, layer.values) for layer in layers]
-
-
-def _row_caches(cache, lengths: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Per layer keys and values [R, H, W, D] whose row i holds the first lengths[i] positions of the one
-    cached sequence, right-aligned, and which columns each row holds: valid [R, W] (host bool)."""
-    width = max(lengths)
-    keys, values = [], []
-    for k1, v1 in _cache_layers(cache):
-        k = k1.new_zeros((len(lengths), k1.shape[1], width, k1.shape[3]))
-        v = v1.new_zeros((len(lengths), v1.shape[1], width, v1.shape[3]))
-        for i, n in enumerate(lengths):
-            k[i, :, width - n :] = k1[0, :, :n]
-            v[i, :, width - n :] = v1[0, :, :n]
-        keys.append(k)
-        values.append(v)
-    valid = torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]
-    return keys, values, valid
 
 
 @torch.inference_mode()
@@ -64,7 +47,9 @@ def continue_batch(model, cache, starts: list[Start], *, vocab: int, max_new_tok
     if max_new_tokens == 0:
         return batch.new
     dec = Decoder(model, vocab, 0)
-    dec.add_rows(*_row_caches(cache, [s.length for s in starts]))
+    layers = _cache_layers(cache)
+    dec.add_rows(*right_aligned([([k[0, :, : s.length] for k, _ in layers], [v[0, :, : s.length] for _, v in layers])
+                                 for s in starts]))
     batch.followers.append(dec)
     batch.end_block([j for j, s in enumerate(starts) if s.token in eos])  # nothing follows an EOS
     pending = [[starts[r].token] for r in batch.live]
