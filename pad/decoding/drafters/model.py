@@ -15,7 +15,7 @@ class ModelDrafter:
 
     draft_stop: a row stops drafting in a block after a draft token whose top probability under the draft
     is below it (that token is still proposed); the block drafts on while any row goes on.
-    Rows that another source proposes for (``propose(rows=...)``, the hybrid drafter) still feed the
+    Rows that another source proposes for (``use_rows``: the hybrid drafter) still feed the
     model, which runs over the whole batch; their model drafts are not proposed.
     """
 
