@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     from pad.decoding.attention import use_gqa_sdpa
     from pad.decoding.hf import eos_ids, shared_vocab_size
-    from pad.evaluation import machine
+    from pad import machine
     from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
     if args.threads:
