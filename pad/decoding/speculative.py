@@ -65,7 +65,8 @@ def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length: DraftLeng
     drafter.start(batch, sampling, target.device, needs_logits=acceptance.rule.needs_draft_logits)
     batch.followers += [target, drafter, length]
     pending = [list(p) for p in batch.prompts]  # committed tokens the target has not seen, per batch row
-    workspace = Workspace(len(batch), length.max_draft_tokens, target.device)  # reused by every block
+    verifier = _Verifier(target, length, acceptance, sampling, folded, capture,
+                         Workspace(len(batch), length.max_draft_tokens, target.device))  # outputs reused by every block
     blocks = 0
     try:
         length.start(batch, target.model, drafter, (*acceptance.key(), sampling.temperature, sampling.top_p))
@@ -75,8 +76,7 @@ def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length: DraftLeng
             limit = max(batch.budget(j) for j in range(len(batch)))
             k, predicted = length.next(batch, drafter, target.width, max(map(len, pending)), limit)
             proposal = drafter.propose(batch, k) if k else None
-            accepted, tokens, relaxed = _verify(target, proposal, pending, batch, length, acceptance, sampling,
-                                                folded, capture, workspace, blocks)
+            accepted, tokens, relaxed = verifier.verify(proposal, pending, blocks)
             blocks += 1
             verified, finished = _commit(target, drafter, proposal, batch, pending, accepted, tokens, relaxed)
             length.observe(accepted if proposal is not None else [], verified, time.perf_counter() - start)
@@ -91,47 +91,62 @@ def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length: DraftLeng
         drafter.finish(batch)
 
 
-def _verify(target, proposal: Proposal | None, pending, batch, length, acceptance: Acceptance, sampling: Sampling,
-            folded, capture, workspace, block: int) -> tuple[list[int], list[int], list[list[int]]]:
-    """One target forward over [unseen committed..., d_1..d_k] of every row, then the fused op. Returns per
-    row (accepted drafts, next token, relaxed flags of the drafts): the block's one device-to-host sync. A
-    block without drafts is a plain target step: nothing for the classifier to judge."""
-    b, device, vocab = len(batch), target.device, target.vocab
-    k = proposal.k if proposal is not None else 0
-    drafts = proposal.tokens if proposal is not None else torch.empty((b, 0), dtype=torch.long, device=device)
-    ids, fed = left_pad(pending, device)
-    judge = capture is not None and k > 0
-    if capture is not None:
-        capture.keep = k + 1
-    logits = length.forward(target, torch.cat([ids, drafts], 1),
-                            torch.cat([fed, torch.ones((b, k), dtype=torch.bool)], 1), k + 1)
-    uniforms, exponentials = random_draws(sampling.generator, b, k, vocab, device)
-    draft_probs = None
-    if sampling.generator is not None:
-        if proposal is None:
-            draft_probs = logits.new_zeros((b, 0, vocab), dtype=torch.float32)
-        elif proposal.probs is not None:
-            draft_probs = proposal.probs.to(device)
-        else:  # a deterministic proposal: the draft "samples" its token with probability one
-            draft_probs = torch.nn.functional.one_hot(drafts, vocab).float()
-    draft_logits = None
-    if acceptance.rule.needs_draft_logits:
-        draft_logits = (proposal.logits.to(logits.dtype) if proposal is not None
-                        else logits.new_empty((b, 0, vocab)))
-    res = verify_block(
-        warp_logits(logits, sampling.temperature, sampling.top_p), drafts,
-        capture.value if judge else None, folded if judge else None,
-        sigma=acceptance.sigma, floor=acceptance.floor, temperature=sampling.temperature,
-        draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials, rule=acceptance.rule,
-        backend=acceptance.backend, out=workspace, draft_logits=draft_logits,
-        num_drafts=proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None else None,
-    )
-    bad = (~torch.isfinite(res.entropy).all()).long()[None]
-    host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted.long().flatten()]).tolist()
-    if host[2 * b]:
-        raise nonfinite_error(block)
-    relaxed = [host[2 * b + 1 + j * k : 2 * b + 1 + (j + 1) * k] for j in range(b)]
-    return host[:b], host[b : 2 * b], relaxed
+@dataclass
+class _Verifier:
+    """What verifies every block of a call: the target, how long blocks are (its forward may be timed), how
+    drafts are judged and drawn, the classifier folded for the op and its layer's capture, the op's outputs."""
+
+    target: Decoder
+    length: DraftLength
+    acceptance: Acceptance
+    sampling: Sampling
+    folded: FoldedClassifier | None
+    capture: LayerCapture | None
+    workspace: Workspace
+
+    def verify(self, proposal: Proposal | None, pending: list[list[int]],
+               block: int) -> tuple[list[int], list[int], list[list[int]]]:
+        """One target forward over [unseen committed..., d_1..d_k] of every row (``pending``: the committed
+        tokens the target has not seen), then the fused op. Returns per row (accepted drafts, next token,
+        relaxed flags of the drafts): the block's one device-to-host sync. A block without drafts is a plain
+        target step: nothing for the classifier to judge."""
+        target, sampling, acceptance, capture = self.target, self.sampling, self.acceptance, self.capture
+        b, device, vocab = len(pending), target.device, target.vocab
+        k = proposal.k if proposal is not None else 0
+        drafts = proposal.tokens if proposal is not None else torch.empty((b, 0), dtype=torch.long, device=device)
+        ids, fed = left_pad(pending, device)
+        judge = capture is not None and k > 0
+        if capture is not None:
+            capture.keep = k + 1
+        logits = self.length.forward(target, torch.cat([ids, drafts], 1),
+                                     torch.cat([fed, torch.ones((b, k), dtype=torch.bool)], 1), k + 1)
+        uniforms, exponentials = random_draws(sampling.generator, b, k, vocab, device)
+        draft_probs = None
+        if sampling.generator is not None:
+            if proposal is None:
+                draft_probs = logits.new_zeros((b, 0, vocab), dtype=torch.float32)
+            elif proposal.probs is not None:
+                draft_probs = proposal.probs.to(device)
+            else:  # a deterministic proposal: the draft "samples" its token with probability one
+                draft_probs = torch.nn.functional.one_hot(drafts, vocab).float()
+        draft_logits = None
+        if acceptance.rule.needs_draft_logits:
+            draft_logits = (proposal.logits.to(logits.dtype) if proposal is not None
+                            else logits.new_empty((b, 0, vocab)))
+        res = verify_block(
+            warp_logits(logits, sampling.temperature, sampling.top_p), drafts,
+            capture.value if judge else None, self.folded if judge else None,
+            sigma=acceptance.sigma, floor=acceptance.floor, temperature=sampling.temperature,
+            draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials, rule=acceptance.rule,
+            backend=acceptance.backend, out=self.workspace, draft_logits=draft_logits,
+            num_drafts=proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None else None,
+        )
+        bad = (~torch.isfinite(res.entropy).all()).long()[None]
+        host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted.long().flatten()]).tolist()
+        if host[2 * b]:
+            raise nonfinite_error(block)
+        relaxed = [host[2 * b + 1 + j * k : 2 * b + 1 + (j + 1) * k] for j in range(b)]
+        return host[:b], host[b : 2 * b], relaxed
 
 
 def _commit(target, drafter, proposal: Proposal | None, batch: RowBatch, pending, accepted, tokens,

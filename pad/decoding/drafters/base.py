@@ -8,6 +8,7 @@ distribution and needs a drafter with ``has_logits``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -88,7 +89,10 @@ class Drafter(Protocol):
 
 class FreeDrafter:
     """Shared parts of drafters that run no model: their proposals are deterministic (no logits), their
-    cost a measured mean of their own time, and ``select``/``finish`` are no-ops unless overridden."""
+    cost a measured mean of their own time. A subclass keeps one object per live row in ``rows`` (with
+    ``extend(tokens)``) and gives ``matches(k)``: per row (up to k drafts, the length of the match)."""
+
+    rows: list
 
     has_logits = False
 
@@ -107,8 +111,22 @@ class FreeDrafter:
     def start(self, batch, sampling: Sampling, device: torch.device) -> None:
         self.device = device
 
+    def available(self, k: int) -> list[int]:
+        """Per live row the drafts a proposal of k would hold."""
+        return [len(tokens) for tokens, _ in self.matches(k)]
+
+    def propose(self, batch, k: int) -> Proposal:
+        start = time.perf_counter()
+        proposal = pack([tokens for tokens, _ in self.matches(k)], k, self.device)
+        self.timed(time.perf_counter() - start, len(batch))
+        return proposal
+
+    def commit(self, batch, proposal, accepted, kept) -> None:
+        for row, tokens in zip(self.rows, kept):
+            row.extend(tokens)
+
     def select(self, keep: list[int]) -> None:
-        pass
+        self.rows = [self.rows[j] for j in keep]
 
     def finish(self, batch) -> None:
         pass

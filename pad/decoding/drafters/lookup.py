@@ -7,9 +7,7 @@ is a plain target step), so proposals are ragged.
 """
 from __future__ import annotations
 
-import time
-
-from .base import FreeDrafter, Proposal, pack
+from .base import FreeDrafter
 
 
 class NgramIndex:
@@ -58,20 +56,3 @@ class LookupDrafter(FreeDrafter):
     def matches(self, k: int) -> list[tuple[list[int], int]]:
         """Per live row (up to k drafts, the matched n-gram's length)."""
         return [row.match(k) for row in self.rows]
-
-    def available(self, k: int) -> list[int]:
-        """Per live row the drafts a proposal of k would hold."""
-        return [len(tokens) for tokens, _ in self.matches(k)]
-
-    def propose(self, batch, k: int) -> Proposal:
-        start = time.perf_counter()
-        proposal = pack([tokens for tokens, _ in self.matches(k)], k, self.device)
-        self.timed(time.perf_counter() - start, len(batch))
-        return proposal
-
-    def commit(self, batch, proposal, accepted, kept) -> None:
-        for row, tokens in zip(self.rows, kept):
-            row.extend(tokens)
-
-    def select(self, keep: list[int]) -> None:
-        self.rows = [self.rows[j] for j in keep]

@@ -11,10 +11,9 @@ the counts falls below ``min_share``.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from .base import FreeDrafter, Proposal, pack
+from .base import FreeDrafter
 
 
 class SuffixCounts:
@@ -68,9 +67,6 @@ class SuffixDrafter(FreeDrafter):
         """Per live row (up to k drafts, the depth of the first step's matched context)."""
         return [self._walk(row, k) for row in self.rows]
 
-    def available(self, k: int) -> list[int]:
-        return [len(tokens) for tokens, _ in self.matches(k)]
-
     def _walk(self, row: "_Row", k: int) -> tuple[list[int], int]:
         row.index()
         context, out, first = row.tokens[-self.max_depth:], [], 0
@@ -93,19 +89,6 @@ class SuffixDrafter(FreeDrafter):
             out.append(token)
             context = (context + [token])[-self.max_depth:]
         return out, first
-
-    def propose(self, batch, k: int) -> Proposal:
-        start = time.perf_counter()
-        proposal = pack([tokens for tokens, _ in self.matches(k)], k, self.device)
-        self.timed(time.perf_counter() - start, len(batch))
-        return proposal
-
-    def commit(self, batch, proposal, accepted, kept) -> None:
-        for row, tokens in zip(self.rows, kept):
-            row.tokens += tokens
-
-    def select(self, keep: list[int]) -> None:
-        self.rows = [self.rows[j] for j in keep]
 
     def finish(self, batch) -> None:
         """Remember this call's outputs (forgetting the oldest beyond ``max_cached_tokens``)."""
@@ -133,6 +116,9 @@ class _Row:
         self.counts = SuffixCounts(max_depth)
         self.recency: dict[int, int] = {}
         self.indexed = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens += tokens
 
     def index(self) -> None:
         end = len(self.tokens)
