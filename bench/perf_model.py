@@ -83,7 +83,7 @@ def resources_table() -> dict:
     out = {}
     for name, kernel, sig, constexprs in jobs():
         plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False" in name
-        if ("bf16" in name or "fp32" in name) and (("_split_stats" in name and PLAIN_STATS in name) or plain_accept):
+        if ("bf16" in name or "fp32" in name) and ((name.startswith("split_stats_kernel[") and PLAIN_STATS in name) or plain_accept):
             out[name] = resources(compile_kernel(kernel, sig, constexprs, 90))
     for name, r in cuda_resources(90).items():
         if name in {f"{k}[{d}]" for k in ("split_stats_kernel", "draw_kernel") for d in ("bf16", "fp32")} | \
