@@ -48,8 +48,9 @@ class AcceptRule(NamedTuple):
     - ``topk`` (a = k, b = delta; TensorRT-LLM's relaxed acceptance): accepted when the draft token is
       among the target's k most likely tokens (ties broken by lower index, as the argmax) and
       ``p(d) >= max p - delta``.
-    Settings that equal ``exact``: ``typical`` with epsilon 1 (p > 1 never holds), ``threshold`` at 1
-    only for a token of probability 1, which is the argmax; ``fly`` with gate ``inf``; ``kl`` with top1 0;
+    Settings that equal ``exact``: ``typical`` with epsilon 1 and delta ``inf`` (``typical@1,inf``: the bound
+    is then 1 and p > 1 never holds; with a finite delta, ``delta * exp(-H)`` can fall below 1), ``threshold``
+    at 1 only for a token of probability 1, which is the argmax; ``fly`` with gate ``inf``; ``kl`` with top1 0;
     ``topk`` with k 0 (and, greedy only, k 1: the top-1 is the argmax).
     """
 
