@@ -111,7 +111,7 @@ def _generate(args) -> int:
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens, sigma=args.sigma,
         floor=args.floor, draft_stop=args.draft_stop, drafter=args.drafter if name not in ("target", "draft") else None,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        callback=stream if args.stream else None,
+        callback=stream if args.stream else None, exact_prefix=args.exact_prefix,
     )
     new = result.sequences[0, input_ids.shape[1]:]
     if not args.stream:
@@ -371,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
     g.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP)
     g.add_argument("--drafter", choices=DRAFTERS, default="model", help=DRAFTER_HELP)
+    g.add_argument("--exact-prefix", type=int, default=0,
+                   help="decide the first N new tokens by the exact rule, later ones by the policy")
     g.add_argument("--floor", type=float, default=1e-4)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)

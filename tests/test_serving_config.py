@@ -1,8 +1,10 @@
 """pad's configuration inside vLLM's additional_config (pad.serving.vllm.ServingConfig): parsed without vLLM."""
 import pytest
 
-from pad.decoding.policy import DEFAULT_SIGMA
-from pad.serving.vllm import ServingConfig
+from types import SimpleNamespace
+
+from pad.decoding.policy import DEFAULT_SIGMA, parse_policy
+from pad.serving.vllm import ServingConfig, request_policy
 
 
 def test_absent_means_not_configured():
@@ -32,11 +34,13 @@ def test_policies_parse_in_pads_grammar(policy, rule, sigma):
     ({"policy": "target"}, "one model"),
     ({"policy": "draft"}, "one model"),
     ({"policy": "pivot@0.3"}, "needs \"classifier\""),
-    ({"policy": "threshold@0.2", "classifier": "shipped"}, "pivot only"),
+    ({"policy": "exact", "classifier": "shipped"}, "leaves vLLM as it is"),
     ({"policy": "threshold@1.5"}, "tau"),
     ({"policy": "banana"}, "unknown policy"),
     ({"policy": "threshold@0.2", "floor": 2}, "floor"),
     ({"policy": "kl@0.5"}, "draft's logits"),
+    ({"policy": "threshold@0.2", "exact_prefix": -1}, "exact_prefix"),
+    ({"policy": "threshold@0.2", "exact_prefix": 2.5}, "exact_prefix"),
 ])
 def test_bad_configuration_is_refused(entry, message):
     with pytest.raises(ValueError, match=message):
@@ -46,3 +50,67 @@ def test_bad_configuration_is_refused(entry, message):
 def test_shipped_classifier_loads():
     clf = ServingConfig.parse({"pad": {"policy": "pivot", "classifier": "shipped"}}).load_classifier()
     assert clf.hidden_size == 1536 and clf.layer == -8
+
+
+def test_a_relaxed_engine_may_load_a_classifier_for_its_requests():
+    config = ServingConfig.parse({"pad": {"policy": "threshold@0.2", "classifier": "shipped"}})
+    assert config.policy == parse_policy("threshold@0.2") and config.classifier == "shipped"
+
+
+def params(extra_args=None, temperature=0.0):
+    """What request_policy reads of vLLM's SamplingParams."""
+    return SimpleNamespace(extra_args=extra_args, temperature=temperature)
+
+
+ENGINE = {"pad": {"policy": "threshold@0.2", "classifier": "shipped"}}
+
+
+@pytest.mark.parametrize("extra_args,want", [
+    (None, "threshold@0.2"),  # the engine's
+    ({"other": 1}, "threshold@0.2"),
+    ({"pad": {"policy": "pivot@0.4"}}, "pivot@0.4"),
+    ({"pad": {"policy": "pivot"}}, f"pivot@{DEFAULT_SIGMA:g}"),
+    ({"pad_policy": "typical@0.3,0.6"}, "typical@0.3,0.6"),  # the OpenAI API's vllm_xargs: flat keys
+    ({"pad": {"policy": "exact"}}, "exact"),
+])
+def test_a_request_chooses_its_policy(extra_args, want):
+    assert str(request_policy(ServingConfig.parse(ENGINE), params(extra_args))) == want
+
+
+@pytest.mark.parametrize("engine,extra_args,temperature,message", [
+    (ENGINE, {"pad": "pivot"}, 0.0, "must be an object"),
+    (ENGINE, {"pad": {"policy": "pivot"}, "pad_policy": "exact"}, 0.0, "not both"),
+    (ENGINE, {"pad": {"classifier": "x"}}, 0.0, "unknown pad request setting"),
+    (ENGINE, {"pad": {"policy": "banana"}}, 0.0, "unknown policy"),
+    (ENGINE, {"pad": {"policy": "threshold@2"}}, 0.0, "tau"),
+    (ENGINE, {"pad": {"policy": "target"}}, 0.0, "one model"),
+    (ENGINE, {"pad": {"policy": "kl@0.5"}}, 0.0, "draft's logits"),
+    ({"pad": {"policy": "threshold@0.2"}}, {"pad": {"policy": "pivot"}}, 0.0, "engine's classifier"),
+    (ENGINE, {"pad": {"policy": "fly@0.3,2"}}, 0.7, "greedy requests only"),
+    ({"pad": {"policy": "fly@0.3,2"}}, None, 0.7, "greedy requests only"),  # the engine's fly, a sampled request
+    ({"pad": {"policy": "exact"}}, {"pad": {"policy": "threshold@0.2"}}, 0.0, "policy is exact"),
+    ({}, {"pad_policy": "threshold@0.2"}, 0.0, "no pad configuration"),
+    (ENGINE, {"pad_exact_prefix": -3}, 0.0, "exact_prefix"),
+    (ENGINE, {"pad": {"exact_prefix": "8"}}, 0.0, "exact_prefix"),
+])
+def test_a_bad_request_is_refused(engine, extra_args, temperature, message):
+    with pytest.raises(ValueError, match=message):
+        request_policy(ServingConfig.parse(engine), params(extra_args, temperature))
+
+
+def test_requests_without_pad_on_an_engine_without_pad():
+    assert request_policy(None, params({"other": 1}, 0.7)) is None
+    # the engine's fly serves greedy requests; a sampled request that chooses a sampling rule is served too
+    fly = ServingConfig.parse({"pad": {"policy": "fly@0.3,2"}})
+    assert str(request_policy(fly, params(None, 0.0))) == "fly@0.3,2"
+    assert str(request_policy(fly, params({"pad": {"policy": "threshold@0.2"}}, 0.7))) == "threshold@0.2"
+
+
+def test_exact_prefix_per_engine_and_per_request():
+    from pad.serving.vllm import request_exact_prefix
+
+    engine = ServingConfig.parse({"pad": {"policy": "threshold@0.2", "exact_prefix": 6}})
+    assert request_exact_prefix(engine, params(None)) == 6
+    assert request_exact_prefix(engine, params({"pad": {"exact_prefix": 0}})) == 0
+    assert request_exact_prefix(engine, params({"pad_exact_prefix": 12})) == 12
+    assert request_exact_prefix(ServingConfig.parse(ENGINE), params(None)) == 0

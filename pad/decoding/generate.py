@@ -136,6 +136,7 @@ def generate(
     callback=None,
     draft_stop: float | None = None,
     drafter: str | Drafter | None = None,
+    exact_prefix: int = 0,
 ) -> GenerationResult:
     """Decode with a target HuggingFace causal LM and a drafter: a draft model sharing its tokenizer, or a
     draft-free drafter (prompt lookup, suffix counts), or both.
@@ -172,6 +173,10 @@ def generate(
     over the row's context and this process's earlier outputs), ``"hybrid"`` (lookup where its match is long
     enough, else the draft model), or a ``Drafter`` of your own. Every rule but ``kl`` reads the target alone
     and works with any drafter; ``kl`` needs one with the draft's distribution (``model``).
+    exact_prefix: each row's first ``exact_prefix`` new tokens are decided by the exact rule, later ones by
+    the policy. A model's refusals of harmful requests are decided mostly in the first tokens of its reply
+    (Qi et al., "Safety Alignment Should Be Made More Than Just a Few Tokens Deep", arXiv 2406.05946), which
+    a relaxed rule could otherwise accept from the draft; deciding them exactly keeps the target's own.
     On the CPU a warning says when the KV caches of every row run to its budget exceed the memory left.
     Returns ``GenerationResult(sequences [B, P + N], stats, lengths [B], row_stats)``.
     """
@@ -182,6 +187,8 @@ def generate(
     check_rule(rule, temperature)  # a greedy-only rule with sampling fails before any model runs
     num_draft_tokens = _draft_length(num_draft_tokens, max_draft_tokens)
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
+    if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
+        raise ValueError(f"exact_prefix must be an integer >= 0, got {exact_prefix!r}")
     ids, prompts = _prompts(input_ids, attention_mask)
     speculating = policy not in ("target", "draft")
     if drafter is not None and not speculating:
@@ -229,7 +236,7 @@ def generate(
         else:
             length = num_draft_tokens if isinstance(num_draft_tokens, AutoDraftLength) else FixedDraftLength(
                 num_draft_tokens)
-            acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend)
+            acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend, exact_prefix)
             speculative.decode(Decoder(target, vocab, len(prompts)), drafter, batch, length, acceptance, sampling)
     stats = batch.total()
     lengths = torch.tensor([len(n) for n in batch.new], dtype=torch.long)

