@@ -51,7 +51,8 @@ REQUEST_KEYS = ("policy", "exact_prefix")  # what a request may set over its eng
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 PLACEHOLDER = -1  # vLLM's token id for the unused slots of a request's output row
 
-# What the plugin reaches into, as vLLM 0.32.0 defines it: (module, attribute, parameter names).
+# What the plugin reaches into, as vLLM 0.32.0 defines it: (module, attribute, parameter names; a frozenset:
+# fields the dataclass must have among others; None: existence only).
 INTERNALS = (
     ("vllm.v1.sample.rejection_sampler", "rejection_sample",
      ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs", "target_logits",
@@ -64,7 +65,7 @@ INTERNALS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", None),
     ("vllm.v1.engine.input_processor", "InputProcessor._validate_params", ("self", "params", "supported_tasks")),
     ("vllm.exceptions", "VLLMValidationError", None),
-    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", None),  # its sampling_params (checked at install)
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", frozenset({"sampling_params", "output_token_ids"})),
     ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata",
      ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
       "target_logits_indices", "bonus_logits_indices", "logits_indices")),
@@ -229,7 +230,10 @@ def compatibility_problems() -> list[str]:
             have = tuple(getattr(obj, "__dataclass_fields__", {}))
         else:
             have = tuple(inspect.signature(obj).parameters)
-        if have != parameters:
+        if isinstance(parameters, frozenset):
+            if not parameters <= set(have):
+                problems.append(f"{module}.{attribute} lacks {', '.join(sorted(parameters - set(have)))}")
+        elif have != parameters:
             problems.append(f"{module}.{attribute} takes ({', '.join(have)}), not ({', '.join(parameters)})")
     return problems
 
@@ -454,11 +458,15 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
             raise ValueError(f"pad's {policy} policy decides greedy requests only, and this step has a sampled "
                              "request (temperature > 0)")
     drafts = draft_token_ids.long()
-    # The op's packed layout: each request's draft rows, then its bonus row (its logits are not needed:
-    # the bonus token is vLLM's, sampled with its own processors).
+    # The op's packed layout, from the draft counts alone: each request's draft rows (target_logits holds
+    # them request by request), then its bonus row, zeros (the bonus token is vLLM's, sampled with its own
+    # processors). Every row is written.
+    is_draft_row = torch.ones(T + B, dtype=torch.bool)
+    is_draft_row[torch.tensor(counts, dtype=torch.long).add(1).cumsum(0).sub(1)] = False
+    is_draft_row = is_draft_row.to(device)
     packed = target_logits.new_empty(T + B, V)
-    packed[metadata.bonus_logits_indices.long()] = 0.0
-    packed[metadata.target_logits_indices.long()] = target_logits
+    packed[~is_draft_row] = 0.0
+    packed[is_draft_row] = target_logits
     hidden = None
     if acceptance.capture is not None and any(p.name == "pivot" for p, _, _ in requests):
         if acceptance.capture.value is None:

@@ -246,3 +246,20 @@ def test_exact_prefix_takes_the_exact_decision_inside_it(kinds):
         want.append(rows["exact"][b] if n_exact < until else rows["threshold@0.1"][b])
     assert torch.equal(got, torch.stack(want)), f"{got}\n{torch.stack(want)}"
     assert not torch.equal(got, rows["threshold@0.1"]), "the prefix must decide some request here"
+
+
+@pytest.mark.parametrize("kinds", ["greedy", "mixed"])
+def test_layout_follows_from_the_draft_counts(kinds):
+    """The op's rows come from num_draft_tokens alone: metadata whose target/bonus index tensors are garbage
+    (they are not read) decides as vLLM's real ones do, and no row of the packed block is left unwritten."""
+    case = layout(COUNTS, 43, KINDS[kinds])
+    acc = acceptance("threshold@0.1")
+    torch.manual_seed(6)
+    reseed(case)
+    want = call(pad_rejection_sample, case, acc, case["metadata"])
+    garbage = SimpleNamespace(target_logits_indices=torch.full_like(case["metadata"].target_logits_indices, -7),
+                              bonus_logits_indices=torch.full_like(case["metadata"].bonus_logits_indices, 10**6),
+                              logits_indices=case["metadata"].logits_indices)
+    torch.manual_seed(6)
+    reseed(case)
+    assert torch.equal(call(pad_rejection_sample, case, acc, garbage), want)

@@ -189,3 +189,17 @@ def test_v2_model_runner_is_refused():
                              model_runner=object())
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         Worker.load_model(worker)
+
+
+def test_request_state_without_its_fields_is_refused(monkeypatch):
+    """The per-request settings read each request's sampling parameters and output so far from the runner's
+    CachedRequestState: a vLLM whose state lacks them is refused at start."""
+    from dataclasses import make_dataclass
+
+    import vllm.v1.worker.gpu_input_batch as batch
+
+    from pad.serving import vllm as plugin
+
+    monkeypatch.setattr(batch, "CachedRequestState", make_dataclass("CachedRequestState", ["req_id", "sampling_params"]))
+    with pytest.raises(RuntimeError, match="CachedRequestState lacks output_token_ids"):
+        plugin.register()
