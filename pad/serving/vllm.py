@@ -168,7 +168,7 @@ def request_exact_prefix(config: "ServingConfig | None", params) -> int:
     return settings.get("exact_prefix", config.exact_prefix if config is not None else 0)
 
 
-def request_policy(config: "ServingConfig | None", params) -> Policy:
+def request_policy(config: "ServingConfig | None", params) -> Policy | None:
     """The policy deciding the drafts of a request with ``SamplingParams`` ``params``: its own
     (``request_settings``: keys ``REQUEST_KEYS``) over the engine's ``config``. Raises ValueError, naming
     the setting, for what this engine cannot serve: checked when the request arrives, so a bad request fails
