@@ -14,7 +14,7 @@ import ast
 import sys
 import zipfile
 
-from pad.serving.vllm import INTERNALS
+from pad.serving.vllm import INTERNALS, shape_problem
 
 
 def find(tree: ast.Module, attribute: str):
@@ -61,12 +61,9 @@ def check(wheel: str) -> list[str]:
                 if node == "bound" and expected is not None:
                     problems.append(f"{module}.{attribute} is not a def or class here: its shape is unchecked")
             else:
-                have = shape(node)
-                if isinstance(expected, frozenset):
-                    if not expected <= set(have):
-                        problems.append(f"{module}.{attribute} lacks {', '.join(sorted(expected - set(have)))}")
-                elif have != expected:
-                    problems.append(f"{module}.{attribute} takes ({', '.join(have)}), not ({', '.join(expected)})")
+                problem = shape_problem(f"{module}.{attribute}", shape(node), expected)
+                if problem:
+                    problems.append(problem)
     return problems
 
 

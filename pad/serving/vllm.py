@@ -230,12 +230,17 @@ def compatibility_problems() -> list[str]:
             have = tuple(getattr(obj, "__dataclass_fields__", {}))
         else:
             have = tuple(inspect.signature(obj).parameters)
-        if isinstance(parameters, frozenset):
-            if not parameters <= set(have):
-                problems.append(f"{module}.{attribute} lacks {', '.join(sorted(parameters - set(have)))}")
-        elif have != parameters:
-            problems.append(f"{module}.{attribute} takes ({', '.join(have)}), not ({', '.join(parameters)})")
+        problem = shape_problem(f"{module}.{attribute}", have, parameters)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def shape_problem(name: str, have: tuple[str, ...], expected) -> str | None:
+    """How ``have`` (parameter or field names) differs from an ``INTERNALS`` expectation, or None."""
+    if isinstance(expected, frozenset):
+        return f"{name} lacks {', '.join(sorted(expected - set(have)))}" if not expected <= set(have) else None
+    return f"{name} takes ({', '.join(have)}), not ({', '.join(expected)})" if have != expected else None
 
 
 def register() -> None:
