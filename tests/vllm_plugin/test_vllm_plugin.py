@@ -26,9 +26,9 @@ def pad_config(policy, tiny):
     return {"policy": policy, **({"classifier": tiny["classifier"]} if policy.startswith("pivot") else {})}
 
 
-def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exact_prefix=0):
+def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exact_prefix=0, drafter=None):
     """What vLLM must produce: the target's first greedy token, then pad.generate from prompt + that token
-    (``exact_prefix``: vLLM's, which counts that first token)."""
+    (``exact_prefix``: vLLM's, which counts that first token; ``draft`` None with a ``drafter``: draft-free)."""
     target = tiny["models"]["target"]
     with torch.no_grad():
         firsts = [int(target(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
@@ -36,9 +36,9 @@ def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exac
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    out = pad.generate(target, tiny["models"][draft], ids, attention_mask=mask, policy=policy,
-                       classifier=tiny["classifier"] if policy.startswith("pivot") else None, num_draft_tokens=K,
-                       max_new_tokens=max_tokens - 1 + K, eos_token_id=[], exact_prefix=max(0, exact_prefix - 1))
+    out = pad.generate(target, tiny["models"][draft] if draft else None, ids, attention_mask=mask, policy=policy,
+                       drafter=drafter, classifier=tiny["classifier"] if policy.startswith("pivot") else None,
+                       num_draft_tokens=K, max_new_tokens=max_tokens - 1 + K, eos_token_id=[], exact_prefix=max(0, exact_prefix - 1))
     new = out.sequences[:, width:].tolist()
     return [[t] + row[: max_tokens - 1] for t, row in zip(firsts, new)]
 
@@ -109,7 +109,7 @@ def test_hidden_feature_equals_pads(tiny, tmp_path):
     run_engines({"target": tiny["target"], "k": K, "runs": [
         {"draft": tiny["right"], "prompts": [prompt], "max_tokens": 1, "pad": pad_config("pivot@0.5", tiny),
          "dump_hidden": str(dump)}]}, tmp_path)
-    got = torch.load(dump)  # the last target forward: the prompt's prefill, [P, H]
+    got = torch.load(dump)[: len(prompt)]  # the last target forward (the prompt's prefill) comes first
     layer = PivotClassifier.load(tiny["classifier"]).layer
     capture = LayerCapture(tiny["models"]["target"].model, layer)
     capture.keep = len(prompt)
@@ -143,14 +143,25 @@ def test_tensor_parallel_workers(tiny, tmp_path):
     assert got[0]["tokens"] == pad_tokens(tiny, "right", policy)
 
 
-@pytest.mark.parametrize("problem", ["not-eager", "no-speculation"])
-def test_bad_configuration_stops_the_engine(tiny, tmp_path, problem):
+def test_pivot_compiled(tiny, tmp_path):
+    """Without eager mode vLLM compiles the target with torch.compile; the classifier's hidden states come
+    through vLLM's auxiliary hidden-state outputs, which the compiled graph keeps. The engine's policy is fly
+    (greedy only), which vLLM's warm-up of its sampler on dummy sampled rows must not meet; the requests
+    choose pivot."""
+    got = run_engines({"target": tiny["target"], "k": K, "runs": [
+        {"draft": tiny["wrong"], "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+         "pad": {"policy": "fly@0.3,2", "classifier": tiny["classifier"]},
+         "extra_args": [{"pad": {"policy": "pivot@0.5"}}] * len(PROMPTS), "engine": {"enforce_eager": False}}]},
+        tmp_path)[0]
+    assert got["compiled_graphs"] > 0, "the engine must run a compiled target"
+    assert got["tokens"] == pad_tokens(tiny, "wrong", "pivot@0.5")
+    assert got["relaxed_accepted"] > 0
+
+
+def test_bad_configuration_stops_the_engine(tiny, tmp_path):
     """Refused when the engine loads its model (the configuration's own checks: tests/test_serving_config.py)."""
-    run = {"draft": None if problem == "no-speculation" else tiny["right"], "prompts": [[5, 6]], "max_tokens": 2,
-           "pad": pad_config("pivot@0.3" if problem == "not-eager" else "threshold@0.2", tiny),
-           "engine": {"enforce_eager": False} if problem == "not-eager" else {}}
-    message = {"not-eager": "enforce_eager", "no-speculation": "speculative config"}[problem]
-    with pytest.raises(AssertionError, match=message):
+    run = {"draft": None, "prompts": [[5, 6]], "max_tokens": 2, "pad": pad_config("threshold@0.2", tiny)}
+    with pytest.raises(AssertionError, match="speculative config"):
         run_engines({"target": tiny["target"], "k": K, "runs": [run]}, tmp_path)
 
 
