@@ -1,9 +1,10 @@
 """Check the vLLM plugin's INTERNALS against a vLLM wheel's Python sources, without installing or importing it.
 
-Each entry of ``pad.serving.vllm.VERSIONS[version]`` (the wheel's version, or the newest supported) names a module, an attribute (``Class.method``, a function, a
-class) and what the plugin relies on (parameter names, a dataclass's fields, or existence only); this
-reads the module's source out of the wheel and compares with ``ast`` (so a CUDA build's wheel is checked on
-a machine without a GPU). Prints one line per entry; exit code 1 when any differs.
+Each entry of ``pad.serving.vllm.VERSIONS[version]`` (the wheel's version, or the newest supported) names a
+module, an attribute (``Class.method``, a function, a class) and what the plugin relies on (parameter names,
+a dataclass's fields, or existence only); this reads the module's source out of the wheel and compares with
+``ast`` (so a CUDA build's wheel is checked on a machine without a GPU). Prints one line per difference;
+exit code 1 when any differs.
 
     pip download vllm==0.33.0 --no-deps -d /tmp/wheels
     python bench/vllm_internals.py /tmp/wheels/vllm-0.33.0-*.whl

@@ -1,10 +1,12 @@
-"""pad's configuration inside vLLM's additional_config (pad.serving.vllm.ServingConfig): parsed without vLLM."""
+"""pad's configuration inside vLLM's additional_config (pad.serving.vllm.ServingConfig), parsed without vLLM, and the
+plugin's own expansion of sampling parameters (which replaces a broken one of vLLM's CPU build)."""
 import pytest
+import torch
 
 from types import SimpleNamespace
 
 from pad.decoding.policy import DEFAULT_SIGMA, parse_policy
-from pad.serving.vllm import ServingConfig, request_policy
+from pad.serving.vllm import ServingConfig, expand_batch_to_tokens, request_policy
 
 
 def test_absent_means_not_configured():
@@ -114,3 +116,16 @@ def test_exact_prefix_per_engine_and_per_request():
     assert request_exact_prefix(engine, params({"pad": {"exact_prefix": 0}})) == 0
     assert request_exact_prefix(engine, params({"pad_exact_prefix": 12})) == 12
     assert request_exact_prefix(ServingConfig.parse(ENGINE), params(None)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+def test_expand_batch_to_tokens_repeats_each_requests_value(dtype):
+    """The plugin's replacement for vLLM's broken CPU expansion, against a plain loop (requests with 0 tokens
+    included)."""
+    g = torch.Generator().manual_seed(7)
+    counts = [3, 0, 2, 5, 1]
+    x = torch.randint(0, 4, (len(counts),), generator=g).to(dtype)
+    cu = torch.tensor(counts).cumsum(0).int()
+    want = [1 if int(v) == 0 else v.item() for v, k in zip(x, counts) for _ in range(k)]
+    got = expand_batch_to_tokens(x, cu, sum(counts), replace_from=0, replace_to=1)
+    assert got.dtype == dtype and got.tolist() == want

