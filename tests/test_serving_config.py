@@ -1,5 +1,5 @@
-"""pad's configuration inside vLLM's additional_config (pad.serving.vllm.ServingConfig), parsed without vLLM, and the
-plugin's own expansion of sampling parameters (which replaces a broken one of vLLM's CPU build)."""
+"""pad's configuration inside vLLM's additional_config (pad.serving.vllm.ServingConfig), parsed without vLLM,
+and the plugin's own expansion of sampling parameters (which replaces a broken one of vLLM's CPU build)."""
 import pytest
 import torch
 
