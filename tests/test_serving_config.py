@@ -129,3 +129,15 @@ def test_expand_batch_to_tokens_repeats_each_requests_value(dtype):
     want = [1 if int(v) == 0 else v.item() for v, k in zip(x, counts) for _ in range(k)]
     got = expand_batch_to_tokens(x, cu, sum(counts), replace_from=0, replace_to=1)
     assert got.dtype == dtype and got.tolist() == want
+
+
+@pytest.mark.parametrize("draft, speculator, message", [
+    (None, "eagle", "unknown speculator"),
+    ("draft-folder", "ngram", "draft_model speculator only"),
+    (None, "draft_model", "needs one"),
+])
+def test_engine_refuses_a_speculator_that_does_not_fit(draft, speculator, message):
+    from pad.serving.engine import engine
+
+    with pytest.raises(ValueError, match=message):
+        engine("target-folder", draft, speculator=speculator)

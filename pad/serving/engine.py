@@ -1,8 +1,8 @@
 """Offline vLLM engines with pad's acceptance, for tests and side-by-side benchmarks.
 
 A thin layer over ``vllm.LLM``: a draft model (vLLM's ``draft_model`` speculator) or a draft-free speculator
-(``ngram``, ``suffix``), pad's configuration
-in ``additional_config`` (``pad.serving.vllm``), and the counters vLLM keeps of its speculation.
+(``ngram``, ``suffix``), pad's configuration in ``additional_config`` (``pad.serving.vllm``), and the
+counters vLLM keeps of its speculation.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ def engine(target: str, draft: str | None, *, num_draft_tokens: int = 8, pad: di
     ``speculator_args``: more of vLLM's speculative config (``prompt_lookup_max``, ...).
     pad: ``additional_config["pad"]`` (for example ``{"policy": "threshold@0.2"}``); None: vLLM unchanged.
     Extra keyword arguments go to ``vllm.LLM`` (``tensor_parallel_size``, ``max_num_seqs``, ...)."""
-    from vllm import LLM
-
     speculator = speculator or ("draft_model" if draft is not None else None)
     if speculator not in (None, *SPECULATORS):
         raise ValueError(f"unknown speculator {speculator!r}; vLLM's methods served here: {', '.join(SPECULATORS)}")
     if (speculator == "draft_model") != (draft is not None):
         raise ValueError("a draft model goes with the draft_model speculator only, and it needs one: "
                          f"got speculator {speculator!r} and draft {draft!r}")
+    from vllm import LLM
+
     spec = None
     if speculator is not None:
         spec = {"method": speculator, "num_speculative_tokens": num_draft_tokens, **(speculator_args or {})}
