@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ from pad.models import registry  # noqa: E402
 
 WARMUP_TOKENS = 16
 TASK_NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval"}
+PAD_LOG = "pad_rows.runs.jsonl"
 NGRAM = {"prompt_lookup_max": 3, "prompt_lookup_min": 1}  # as pad's lookup drafter's defaults
 
 
@@ -101,28 +103,41 @@ def _vllm_row(args, llm, name, extra, speculates, problems, prompts, probe):
 
 
 def pad_rows(args, problems):
-    """pad.generate's policies through pad's own benchmark (its run log keeps the replies)."""
-    from pad.models.classifier import PivotClassifier
-
-    target, _ = registry.load(registry.DEFAULT_TARGET, dtype=args.dtype, source="index-gguf")
-    draft, _ = registry.load(registry.DEFAULT_DRAFT, dtype=args.dtype, source="index-gguf")
-    classifier = PivotClassifier.load(registry.shipped_classifier(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT))
+    """pad.generate's policies through pad's own benchmark (its run log keeps the replies), run in a fresh
+    process: in the process where vLLM's engines ran, pad's loop measured about 1.6x slower (docs/serving.md)."""
     specs = bench.parse_policies("exact" if args.only_exact else args.pad_policies)
-    log = Path(args.out) / "pad_rows.runs.jsonl"
-    weights = {role: registry.weights_identity(name, source="index-gguf")
-               for role, name in (("target", registry.DEFAULT_TARGET), ("draft", registry.DEFAULT_DRAFT))}
-    bench.run(args.task, problems, target, draft, args.tokenizer, specs, num_draft_tokens=args.k,
-              max_new_tokens=args.max_new_tokens, classifier=classifier, batch_size=args.batch_size, log=log,
-              settings={"dtype": args.dtype, "weights": weights})
-    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    child = multiprocessing.get_context("spawn").Process(target=_log_pad_runs, args=(vars(args) | {"tokenizer": None},))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"pad's rows failed (exit code {child.exitcode}); the runs they finished are logged")
+    runs = [json.loads(line) for line in (Path(args.out) / PAD_LOG).read_text().splitlines()]
     ids = {p.id for p in problems}
     for spec in specs:
         records = [r for r in runs if r["policy"] == spec.name and r["problem"] in ids
                    and r["settings"]["dtype"] == args.dtype and r["settings"]["batch_size"] == args.batch_size
                    and r["settings"]["max_new_tokens"] == args.max_new_tokens]
         yield f"pad {spec.name} (B={args.batch_size})", records
-    del target, draft
-    gc.collect()
+
+
+def _log_pad_runs(settings: dict) -> None:
+    from pad.models.classifier import PivotClassifier
+
+    args = argparse.Namespace(**settings)
+    tokenizer = registry.load_tokenizer(registry.DEFAULT_TARGET, source="index-gguf")
+    problems, _, _ = tasks.prompted_problems(tokenizer, args.task, "dev", start=args.start, limit=args.limit)
+
+    def models():
+        return tuple(registry.load(name, dtype=args.dtype, source="index-gguf")[0]
+                     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT))
+
+    classifier = PivotClassifier.load(registry.shipped_classifier(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT))
+    weights = {role: registry.weights_identity(name, source="index-gguf")
+               for role, name in (("target", registry.DEFAULT_TARGET), ("draft", registry.DEFAULT_DRAFT))}
+    bench.run(args.task, problems, None, None, tokenizer, bench.parse_policies(
+              "exact" if args.only_exact else args.pad_policies), num_draft_tokens=args.k, models=models,
+              max_new_tokens=args.max_new_tokens, classifier=classifier, batch_size=args.batch_size,
+              log=Path(args.out) / PAD_LOG, settings={"dtype": args.dtype, "weights": weights})
 
 
 def main(argv=None) -> int:
