@@ -4,9 +4,9 @@ Rows: vLLM with the target alone ("target": the reference of speedups and accura
 exact speculative decoding (its draft_model speculator), vLLM with pad's plugin at pivot@SIGMA (the shipped
 classifier) and at threshold@TAU; with ``--ngram`` also vLLM's draft-free ngram speculator exact and with
 pivot@SIGMA; then ``pad.generate``'s policies (``--pad-policies``, the benchmark's spelling, drafters
-included) at batch B. Every vLLM engine decodes at most B requests at a time (``max_num_seqs``), so aggregate
-tokens/s compare at one batch size. Also counted: how many of the problems vLLM-exact and pad-exact answer with the same text (both are the
-target's greedy decoding, equal in exact arithmetic; kernels that round differently flip near ties, often in
+included) at batch B, in a process of their own. Every vLLM engine decodes at most B requests at a time
+(``max_num_seqs``), so aggregate tokens/s compare at one batch size. Also counted: how many of the problems
+vLLM-exact and each pad exact row answer with the same text (both are the target's greedy decoding, equal in exact arithmetic; kernels that round differently flip near ties, often in
 bf16). ``--only-exact`` runs those two rows alone (for that count in fp32).
 
 Run with a Python that has vLLM's CPU build (0.32.0) and pad-decoding installed (docs/serving.md), nothing
@@ -104,7 +104,7 @@ def _vllm_row(args, llm, name, extra, speculates, problems, prompts, probe):
 
 def pad_rows(args, problems):
     """pad.generate's policies through pad's own benchmark (its run log keeps the replies), run in a fresh
-    process: in the process where vLLM's engines ran, pad's loop measured about 1.6x slower (docs/serving.md)."""
+    process: in the process where vLLM's engines ran, pad's loop ran 2.5x slower at one request (docs/serving.md)."""
     specs = bench.parse_policies("exact" if args.only_exact else args.pad_policies)
     child = multiprocessing.get_context("spawn").Process(target=_log_pad_runs, args=(vars(args) | {"tokenizer": None},))
     child.start()
