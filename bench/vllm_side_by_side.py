@@ -6,8 +6,9 @@ classifier) and at threshold@TAU; with ``--ngram`` also vLLM's draft-free ngram 
 pivot@SIGMA; then ``pad.generate``'s policies (``--pad-policies``, the benchmark's spelling, drafters
 included) at batch B, in a process of their own. Every vLLM engine decodes at most B requests at a time
 (``max_num_seqs``), so aggregate tokens/s compare at one batch size. Also counted: how many of the problems
-vLLM-exact and each pad exact row answer with the same text (both are the target's greedy decoding, equal in exact arithmetic; kernels that round differently flip near ties, often in
-bf16). ``--only-exact`` runs those two rows alone (for that count in fp32).
+vLLM-exact and each pad exact row answer with the same text (both are the target's greedy decoding, equal
+in exact arithmetic; kernels that round differently flip near ties, often in bf16). ``--only-exact`` runs
+vLLM exact and pad exact alone (for that count in fp32).
 
 Run with a Python that has vLLM's CPU build (0.32.0) and pad-decoding installed (docs/serving.md), nothing
 else running:
