@@ -103,10 +103,9 @@ def _vllm_row(args, llm, name, extra, speculates, problems, prompts, probe):
     return records
 
 
-def pad_rows(args, problems):
+def pad_rows(args, problems, specs):
     """pad.generate's policies through pad's own benchmark (its run log keeps the replies), run in a fresh
     process: in the process where vLLM's engines ran, pad's loop ran 2.5x slower at one request (docs/serving.md)."""
-    specs = bench.parse_policies("exact" if args.only_exact else args.pad_policies)
     child = multiprocessing.get_context("spawn").Process(target=_log_pad_runs, args=(vars(args) | {"tokenizer": None},))
     child.start()
     child.join()
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
 
     def rows():
         yield from vllm_rows(args, target, draft, problems, prompts, done)
-        yield from pad_rows(args, problems)
+        yield from pad_rows(args, problems, pad_specs)
 
     produced = rows()
     pad_names = [f"pad {spec.name} (B={args.batch_size})" for spec in pad_specs]
