@@ -34,7 +34,8 @@ def main():
                 continue
             seen.add(key)
             totals[r["settings"]["batch_size"]].setdefault(r["policy"], PolicyTotals()).add(r)
-            records[r["settings"]["batch_size"]][r["policy"]][problem_index(r["problem"])] = r
+            if args.per_batch:
+                records[r["settings"]["batch_size"]][r["policy"]][problem_index(r["problem"])] = r
     for batch, rows in sorted(totals.items(), reverse=True):
         problems = max(t.problems for t in rows.values())
         target = rows["target"].row("target")["tokens_per_s"] if "target" in rows else math.nan
@@ -52,7 +53,7 @@ def main():
 
 
 def problem_index(problem: str) -> int:
-    """'gsm8k/dev/17' -> 17."""
+    """'gsm8k/dev/17' -> 17 (a task whose problems are numbered in one split: not Spec-Bench's categories)."""
     return int(problem.rsplit("/", 1)[1])
 
 
