@@ -85,6 +85,43 @@ def test_forward_cost_ignores_unusable_times_and_predicts_nan_without_data():
     assert cost.predict(1, 1, 10) == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_forward_cost_keeps_probed_shapes_through_a_long_run_of_one_shape(seed):
+    """Thousands of K = 0 blocks (T = 1) leave the probed T > 1 shapes in the fit: K > 0 is still predicted
+    from them and ``covers`` stays true, so no call probes again."""
+    rng = np.random.default_rng(seed)
+    c = rng.uniform(0.1, 1, 6) * np.array([0.2, 0.003, 0.002, 0.009, 1e-5, 1e-6])
+    cost = ForwardCost()
+    for b, t in itertools.product((1, 16), (1, 2, 5, 9)):
+        cost.add(b, t, 300, _planted(b, t, 300, c, 4), anchor=True)
+    for i in range(3 * dl.MAX_OBSERVATIONS):
+        s = 300 + int(rng.integers(0, 200))
+        cost.add(16, 1, s, _planted(16, 1, s, c, 4))
+    assert all(cost.covers(b, t) for b, t in itertools.product((1, 16), (2, 5, 9)))
+    for t in (2, 5, 9):
+        assert cost.predict(16, t, 300) == pytest.approx(_planted(16, t, 300, c, 4), rel=1e-6)
+    cost.add(16, 5, 300, 2 * _planted(16, 5, 300, c, 4), anchor=True)  # a probe again: the latest counts
+    assert len(cost.anchors) == 8
+
+
+def test_auto_probes_a_shape_once_per_process(monkeypatch):
+    """A second call after a long run of plain target steps finds its probes still there."""
+    target, _ = tiny_pair("qwen2")
+    probes = []
+    real = dl.probe
+    monkeypatch.setattr(dl, "probe", lambda model, cost, rows, tokens, columns: (
+        probes.append((rows, tuple(tokens))), real(model, cost, rows, tokens, columns)))
+    auto, cost = AutoDraftLength(4), ForwardCost()
+    auto.target_cost = cost
+    auto.bind(target, None, 3, 8)
+    assert probes and all(cost.covers(b, t) for b in (1, 3) for t in (1, 2, 3, 5))
+    first = len(probes)
+    for i in range(2 * dl.MAX_OBSERVATIONS):
+        cost.add(3, 1, 8 + i % 40, 1e-3)
+    auto.bind(target, None, 3, 8)
+    assert len(probes) == first
+
+
 # --- acceptance and the chooser ---------------------------------------------------------------------------------
 
 

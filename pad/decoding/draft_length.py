@@ -25,7 +25,8 @@ import torch
 
 # Knees tried by the fit (tokens per forward where the cost per token changes; see ForwardCost).
 KNEES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Online observations kept per model (the oldest are dropped, so a drifting machine is followed).
+# Decoding's forwards kept per model besides its probes (the oldest are dropped, so a drifting machine is
+# followed).
 MAX_OBSERVATIONS = 512
 # Per-token acceptance assumed before any block was verified, and its weight in pseudo-trials: rows
 # shrink towards the batch's pooled estimate, the pool towards this prior. Optimistic on purpose: a K = 0
@@ -89,20 +90,35 @@ class ForwardCost:
     """
 
     def __init__(self, observations=()):
-        self.observations: deque = deque(maxlen=MAX_OBSERVATIONS)  # (B, T, S, seconds)
+        """``observations``: (B, T, S, seconds) of a measured grid, kept as anchors (see ``add``)."""
+        self.recent: deque = deque(maxlen=MAX_OBSERVATIONS)  # (B, T, S, seconds) of decoding's forwards
+        self.anchors: dict = {}  # (B, T, S) -> seconds of the latest probe of that shape
         self.coefficients: np.ndarray | None = None
         self.knee = 1.0
         self._fitted = 0  # observations added when last fitted
         self._added = 0
         for o in observations:
-            self.add(*o)
+            self.add(*o, anchor=True)
+
+    @property
+    def observations(self) -> list[tuple[int, int, int, float]]:
+        """(B, T, S, seconds): the anchors, then the recent forwards."""
+        return [(*shape, seconds) for shape, seconds in self.anchors.items()] + list(self.recent)
 
     def __len__(self) -> int:
-        return len(self.observations)
+        return len(self.anchors) + len(self.recent)
 
-    def add(self, rows: int, tokens: int, columns: int, seconds: float) -> None:
+    def add(self, rows: int, tokens: int, columns: int, seconds: float, anchor: bool = False) -> None:
+        """One forward's seconds. ``anchor``: a probe or a saved profile's shape, kept whatever decoding adds
+        after it (the latest per shape): a long run of one shape (K = 0 blocks) would otherwise push every
+        other shape out of the recent ones, leaving the fit blind to K > 0 and ``covers`` false, so that the
+        next call probes again inside its own time."""
         if rows > 0 and tokens > 0 and seconds > 0 and math.isfinite(seconds):
-            self.observations.append((int(rows), int(tokens), int(columns), float(seconds)))
+            o = (int(rows), int(tokens), int(columns))
+            if anchor:
+                self.anchors[o] = float(seconds)
+            else:
+                self.recent.append((*o, float(seconds)))
             self._added += 1
 
     def covers(self, rows: int, tokens: int) -> bool:
@@ -113,7 +129,7 @@ class ForwardCost:
 
     def fit(self) -> None:
         """Fit the coefficients to the observations (a no-op when nothing was added since the last fit)."""
-        if self._added == self._fitted or not self.observations:
+        if self._added == self._fitted or not len(self):
             return
         obs = np.array(self.observations, dtype=np.float64)
         seconds = obs[:, 3]
@@ -200,7 +216,7 @@ def load_profile(model, cost: ForwardCost) -> bool:
     if path is None or not path.is_file():
         return False
     for o in json.loads(path.read_text())["observations"]:
-        cost.add(*o)
+        cost.add(*o, anchor=True)
     return True
 
 
@@ -234,7 +250,7 @@ def probe(model, cost: ForwardCost, rows: int, tokens: list[int], columns: int) 
                 forward_tail(model, ids, t, cache=cache, use_cache=True)
                 synchronize(p.device)
                 seconds = time.perf_counter() - start
-            cost.add(rows, t, columns, seconds)
+            cost.add(rows, t, columns, seconds, anchor=True)
 
 
 def measure(model, rows: list[int], tokens: list[int], columns: list[int], progress: bool = True) -> ForwardCost:
