@@ -100,8 +100,9 @@ def test_forward_cost_keeps_probed_shapes_through_a_long_run_of_one_shape(seed):
     assert all(cost.covers(b, t) for b, t in itertools.product((1, 16), (2, 5, 9)))
     for t in (2, 5, 9):
         assert cost.predict(16, t, 300) == pytest.approx(_planted(16, t, 300, c, 4), rel=1e-6)
-    cost.add(16, 5, 300, 2 * _planted(16, 5, 300, c, 4), anchor=True)  # a probe again: the latest counts
-    assert len(cost.anchors) == 8
+    again = 2 * _planted(16, 5, 300, c, 4)
+    cost.add(16, 5, 300, again, anchor=True)  # a shape probed again: the latest counts, not both
+    assert len(cost.anchors) == 8 and cost.anchors[(16, 5, 300)] == again
 
 
 def test_auto_probes_a_shape_once_per_process(monkeypatch):
