@@ -30,6 +30,10 @@ def test_questions_load_by_category(tmp_path):
     kept = tasks.per_category(problems, 2)
     assert [p.id for p in kept] == ["specbench/writing/81", "specbench/writing/82", "specbench/translation/200",
                                     "specbench/translation/201", "specbench/rag/300"]
+    assert [p.id for p in tasks.in_categories(kept, ["rag", "writing"])] == [
+        "specbench/writing/81", "specbench/writing/82", "specbench/rag/300"]
+    with pytest.raises(ValueError, match="no problems of category qa; the categories here: writing, translation, rag"):
+        tasks.in_categories(kept, ["rag", "qa"])
     assert tasks.messages("specbench", problems[0]) == [{"role": "user", "content": "w0 w1 w2"}]
     assert tasks.correct("specbench", problems[0], "anything") is None
     with pytest.raises(ValueError, match="no answers to score"):

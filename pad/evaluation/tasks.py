@@ -169,6 +169,16 @@ def per_category(problems: list[Problem], n: int) -> list[Problem]:
     return kept
 
 
+def in_categories(problems: list[Problem], names: list[str]) -> list[Problem]:
+    """The problems of the named categories, in file order; raises ValueError for a name none of them has."""
+    have = list(dict.fromkeys(p.category for p in problems))
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        raise ValueError(f"no problems of category {', '.join(unknown)}; the categories here: "
+                         f"{', '.join(c for c in have if c) or 'none (only specbench has categories)'}")
+    return [p for p in problems if p.category in names]
+
+
 def _normalize_number(text: str) -> Decimal | None:
     text = text.replace(",", "").replace("$", "").rstrip(".")
     try:
