@@ -1,7 +1,9 @@
 """Spec-Bench per category, from a run log of ``pad-decoding bench --task specbench``.
 
 Spec-Bench carries no answers, so per category and policy: tokens/s (the category's new tokens over its
-seconds), new tokens per target forward, and for every policy against the ``target`` row of the same log
+seconds) and its ratio to the ``target`` row's of the same category, new tokens per target forward, the range
+of the speed probes its runs were timed under (``pad.machine.speed_probe``: runs timed beside another job or
+on another machine show there), and for every policy against the ``target`` row of the same log
 the share of replies identical to the target's and their mean token-level similarity to it (difflib's ratio
 over the two replies' token ids: 1 for identical replies).
 
@@ -58,20 +60,30 @@ def table(records: list[dict], encode, reference: str = "target") -> list[dict]:
         if paired:
             row["identical"] = sum(a == b for a, b in paired) / len(paired)
             row["similarity"] = sum(similarity(ids(a), ids(b)) for a, b in paired) / len(paired)
+        probes = [r["speed_probe"] for r in rs if r.get("speed_probe") is not None]
+        if probes:
+            row["probes"] = (min(probes), max(probes))
         rows.append(row)
+    for row in rows:
+        base = next((r for r in rows if r["category"] == row["category"] and r["policy"] == reference), None)
+        if base is not None:
+            row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
     order = list(dict.fromkeys(c for c, _ in by))
     order = [c for c in order if c != "all"] + ["all"]
     return sorted(rows, key=lambda r: order.index(r["category"]))
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| category | policy | problems | new tokens | tokens/s | tokens / target forward | identical to target | "
-             "similarity to target |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| category | policy | problems | new tokens | tokens/s | x target | tokens / target forward | "
+             "identical to target | similarity to target | probe GFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         same = f"{r['identical']:.0%}" if "identical" in r else "n/a"
         sim = f"{r['similarity']:.3f}" if "similarity" in r else "n/a"
+        speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "n/a"
+        probes = "n/a" if "probes" not in r else f"{r['probes'][0]:.0f}-{r['probes'][1]:.0f}"
         lines.append(f"| {r['category']} | {r['policy']} | {r['problems']} | {r['new_tokens']} | "
-                     f"{r['tokens_per_s']:.2f} | {r['tokens_per_target_forward']:.2f} | {same} | {sim} |")
+                     f"{r['tokens_per_s']:.2f} | {speedup} | {r['tokens_per_target_forward']:.2f} | {same} | {sim} | "
+                     f"{probes} |")
     return "\n".join(lines)
 
 

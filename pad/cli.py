@@ -358,11 +358,7 @@ def _draft_length(text: str):
         raise argparse.ArgumentTypeError(f"a draft length is an integer or auto, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Pivot-aware speculative decoding")
-    parser.add_argument("--debug", action="store_true", help="print the traceback of every error, also of the "
-                                                             "clear one-line ones")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_generate_command(sub) -> None:
     g = sub.add_parser("generate", help="decode one prompt with a draft/target pair and print the stats")
     _add_models(g)
     g.add_argument("--classifier", help="folder of a saved PivotClassifier (enables the pivot policy; default: "
@@ -387,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the stats as JSON")
     g.set_defaults(func=_generate)
 
+
+def _add_bench_command(sub) -> None:
     b = sub.add_parser("bench", help="run policies side by side on a task and print accuracy and speed")
     _add_task(b, "dev")
     _add_models(b)
@@ -424,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against speedup (matplotlib)")
     b.set_defaults(func=_bench)
 
+
+def _add_profile_command(sub) -> None:
     pf = sub.add_parser("profile", help="time forwards of both models at the shapes -k auto chooses among and save "
                                         "them, so that generate starts from them instead of probing")
     _add_models(pf)
@@ -432,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--max-draft-tokens", type=int, default=12, help="the largest K to time the target's block for")
     pf.set_defaults(func=_profile)
 
+
+def _add_label_command(sub) -> None:
     lb = sub.add_parser("label", help="label pivot tokens by path-following search or rollouts (resumable, shardable)")
     _add_task(lb, "train")
     _add_models(lb)
@@ -460,12 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="label only problems the draft alone answers wrong (rollouts where pivots can be)")
     lb.set_defaults(func=_label)
 
+
+def _add_doctor_command(sub) -> None:
     dr = sub.add_parser("doctor", help="print versions, devices, kernels and caches; --check tests every kernel")
     dr.add_argument("--check", action="store_true",
                     help="run every verify_block backend on every device against the reference (exit 1 on a failure)")
     dr.add_argument("--threads", type=int, help="torch CPU threads")
     dr.set_defaults(func=_doctor)
 
+
+def _add_retrace_command(sub) -> None:
     rt = sub.add_parser("retrace", help="compute the divergence feature for the stored decisions of a search label "
                                         "folder by retracing its walks (resumable)")
     rt.add_argument("folder", help="a folder written by label --method search")
@@ -475,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--limit", type=int, help="retrace at most N more problems")
     rt.set_defaults(func=_retrace)
 
+
+def _add_train_command(sub) -> None:
     tr = sub.add_parser("train", help="train the pivot classifier on label folders")
     tr.add_argument("dirs", nargs="+", help="folders written by the label command")
     tr.add_argument("--out", required=True, help="classifier folder to write")
@@ -496,6 +504,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "that have it, and report the AUROC difference with its bootstrap interval (the saved "
                          "classifier reads the op's features only)")
     tr.set_defaults(func=_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Pivot-aware speculative decoding")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of every error, also of the "
+                                                             "clear one-line ones")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_command(sub)
+    _add_bench_command(sub)
+    _add_profile_command(sub)
+    _add_label_command(sub)
+    _add_doctor_command(sub)
+    _add_retrace_command(sub)
+    _add_train_command(sub)
     return parser
 
 

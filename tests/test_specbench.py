@@ -59,6 +59,9 @@ def test_bench_on_specbench_scores_nothing_and_compares_replies(tmp_path):
         # exact's replies are the target's (greedy, fp32): identical, similarity 1
         assert by[cat, "exact/lookup"]["identical"] == 1.0 and by[cat, "exact/lookup"]["similarity"] == 1.0
         assert by[cat, "target"]["tokens_per_target_forward"] == pytest.approx(1.0)
+        assert by[cat, "target"]["speedup"] == 1.0
+        assert by[cat, "exact/lookup"]["speedup"] == pytest.approx(
+            by[cat, "exact/lookup"]["tokens_per_s"] / by[cat, "target"]["tokens_per_s"])
     assert by["all", "target"]["new_tokens"] == sum(r["new_tokens"] for r in records if r["policy"] == "target")
     assert "| rag | threshold@0.2/hybrid |" in script.markdown(table)
 

@@ -335,15 +335,13 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                         probe = round(speed_probe(str(next(target.parameters()).dtype).removeprefix("torch.")), 1)
                         probed_at = time.monotonic()
                     ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
+                    how = _Decoding(target, draft, tokenizer, classifier, floor, eos, draft_stop, max_draft_tokens,
+                                    sampling)
                     if spec.name not in warm:
-                        _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
-                                   k, min(WARMUP_TOKENS, max_new_tokens), eos, score=False,
-                                   draft_stop=draft_stop, max_draft_tokens=max_draft_tokens, sampling=sampling,
-                                   drafter=spec_drafter)
+                        _run_group(task, group, spec, ids, how, k, spec_drafter, min(WARMUP_TOKENS, max_new_tokens),
+                                   score=False)
                         warm.add(spec.name)
-                    fresh = _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor,
-                                       k, max_new_tokens, eos, draft_stop=draft_stop,
-                                       max_draft_tokens=max_draft_tokens, sampling=sampling, drafter=spec_drafter)
+                    fresh = _run_group(task, group, spec, ids, how, k, spec_drafter, max_new_tokens)
                     for i, (p, record) in enumerate(zip(group, fresh)):
                         if found[i] is None:  # counted as logged, so a table from the log alone is the same
                             found[i] = {"problem": p.id, "policy": spec.name, "settings": key, "speed_probe": probe,
@@ -523,13 +521,29 @@ def group_seed(seed: int, first_problem: str) -> int:
     return zlib.crc32(f"{seed}/{first_problem}".encode())
 
 
-def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, floor, k, max_new_tokens, eos,
-               score: bool = True, draft_stop: float | None = None, max_draft_tokens: int | None = None,
-               sampling: dict | None = None, drafter: str | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class _Decoding:
+    """What every run of a bench shares: the models, the classifier and its floor, the EOS ids, the draft
+    stop and auto K's longest block (None: the defaults), and ``sampling`` (temperature, top_p and seed; empty:
+    greedy)."""
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object
+    classifier: object
+    floor: float
+    eos: list[int] | None
+    draft_stop: float | None
+    max_draft_tokens: int | None
+    sampling: dict
+
+
+def _run_group(task, group, spec, ids, how: _Decoding, k, drafter: str | None, max_new_tokens: int,
+               score: bool = True) -> list[dict]:
     """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
     PolicyTotals adds up; ``seconds`` and, with auto K, the predicted and measured block times are the
-    batch's split evenly over its rows). ``score=False``: a warm-up, not scored. ``sampling``: temperature,
-    top_p and seed (empty: greedy). ``drafter``: the speculative policies' drafter."""
+    batch's split evenly over its rows). ``score=False``: a warm-up, not scored. ``drafter``: the speculative
+    policies' drafter."""
+    target, draft, tokenizer, eos, sampling = how.target, how.draft, how.tokenizer, how.eos, how.sampling
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     batch, mask = left_padded(ids, pad)
     _reset_peak_memory()
@@ -542,10 +556,10 @@ def _run_group(task, group, spec, ids, target, draft, tokenizer, classifier, flo
         rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0}) for new in news]
     else:
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
-                          classifier=classifier if spec.policy == "pivot" else None, floor=floor,
+                          classifier=how.classifier if spec.policy == "pivot" else None, floor=how.floor,
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                          draft_stop=draft_stop if drafter in ("model", "hybrid") else None,
-                          max_draft_tokens=max_draft_tokens if k == "auto" else None, drafter=drafter,
+                          draft_stop=how.draft_stop if drafter in ("model", "hybrid") else None,
+                          max_draft_tokens=how.max_draft_tokens if k == "auto" else None, drafter=drafter,
                           **({"temperature": sampling["temperature"], "top_p": sampling["top_p"],
                               "seed": group_seed(sampling["seed"], group[0].id)} if sampling else {}))
         seconds, P, total = result.stats.wall_time, batch.shape[1], result.stats
