@@ -75,7 +75,7 @@ def table(records: list[dict], encode, reference: str = "target") -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| category | policy | problems | new tokens | tokens/s | x target | tokens / target forward | "
-             "identical to target | similarity to target | probe GFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "identical to target | similarity to target | probe GFLOP/s |", "|" + "---|" * 10]
     for r in rows:
         same = f"{r['identical']:.0%}" if "identical" in r else "n/a"
         sim = f"{r['similarity']:.3f}" if "similarity" in r else "n/a"
