@@ -5,11 +5,6 @@ A row takes the draft-free drafter's proposal (``lookup`` by default) when the n
 is at least ``min_match`` tokens long and proposes something; every other row takes the draft model's. The
 model runs only in blocks where some row needs it (at B = 1: only when the row does); it then runs over
 the whole batch, as its cache is one tensor, and only the rows that need it count its forwards.
-
-With ``num_draft_tokens="auto"`` the chooser also weighs, per block, the draft-free drafter alone (every row
-its proposal, however short its match; rows without one propose nothing): where the model's drafts are not
-worth their cost (a long context, a low acceptance), a short match still is. ``sources`` names each row's
-source, so that each source's acceptance is estimated apart.
 """
 from __future__ import annotations
 
@@ -32,7 +27,6 @@ class HybridDrafter:
         self.free = free if free is not None else LookupDrafter()
         self.min_match = min_match
         self.model_blocks = self.free_blocks = 0  # blocks the model ran in / did not
-        self.option = "mixed"
 
     @property
     def cost(self):
@@ -51,34 +45,16 @@ class HybridDrafter:
         self.drafter.clock = value
 
     def start(self, batch, sampling, device, needs_logits: bool = False) -> None:
-        self.option = "mixed"
         self.drafter.start(batch, sampling, device)
         self.free.start(batch, sampling, device)
         self.sampling, self.device = sampling, device
 
-    def options(self) -> tuple[str, ...]:
-        """The ways this drafter can propose: ``"mixed"`` (the free drafter's match where it is at least
-        ``min_match`` long, else the model) and ``"free"`` (the free drafter alone)."""
-        return ("mixed", "free")
-
-    def use(self, option: str) -> None:
-        """Propose the ``option`` way (see ``options``) until told otherwise; each call starts mixed."""
-        if option not in self.options():
-            raise ValueError(f"unknown option {option!r}; choose one of {', '.join(self.options())}")
-        self.option = option
-
     def _plan(self, k: int) -> list[tuple[list[int], bool]]:
         """Per live row (the free drafter's tokens, whether the row takes the model's instead)."""
-        if self.option == "free":
-            return [(tokens, False) for tokens, _ in self.free.matches(k)]
         return [(tokens, n < self.min_match or not tokens) for tokens, n in self.free.matches(k)]
 
     def available(self, k: int) -> list[int]:
         return [k if use_model else len(tokens) for tokens, use_model in self._plan(k)]
-
-    def sources(self, k: int) -> list[str]:
-        """Per live row where a block of k drafts comes from: ``"model"`` or the free drafter's name."""
-        return ["model" if use_model else self.free.name for _, use_model in self._plan(k)]
 
     def seconds(self, k: int, rows: int) -> float:
         needs_model = any(use_model for _, use_model in self._plan(k))
