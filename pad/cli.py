@@ -140,8 +140,9 @@ def _bench(args) -> int:
         if args.per_category < 1:
             raise ValueError(f"--per-category must be at least 1, got {args.per_category}")
         problems = tasks.per_category(problems, args.per_category)
-    if args.categories:
-        problems = tasks.in_categories(problems, [c.strip() for c in args.categories.split(",") if c.strip()])
+    categories = [c.strip() for c in (args.categories or "").split(",") if c.strip()]
+    if categories:
+        problems = tasks.in_categories(problems, categories)
     if not problems:
         raise ValueError(f"{data} has no problems from index {args.start} on")
     classifier = _classifier(args) if any(s.policy == "pivot" for s in specs) else None
@@ -160,8 +161,8 @@ def _bench(args) -> int:
     span = f"{args.start}-{args.start + len(problems) - 1}" if args.start else f"{len(problems)}"
     if args.per_category is not None:
         span = f"{args.per_category}_per_category" + (f"_from{args.start}" if args.start else "")
-    if args.categories:
-        span += "_" + "-".join(c.strip() for c in args.categories.split(",") if c.strip())
+    if categories:
+        span += "_" + "-".join(categories)
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
