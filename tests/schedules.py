@@ -6,7 +6,8 @@ from pad.decoding.draft_length import AutoDraftLength
 
 class Schedule(AutoDraftLength):
     """Chooses the K of block i from a list (cycled), within the chooser's limit, and records them: a K
-    sequence to replay, with K = 0 blocks where the list says. Measures nothing."""
+    sequence to replay, with K = 0 blocks where the list says; a drafter with options (hybrid) proposes by
+    each in turn. Measures nothing."""
 
     def __init__(self, ks):
         super().__init__(max(max(ks), 1))
@@ -14,6 +15,10 @@ class Schedule(AutoDraftLength):
 
     def bind(self, target, draft, rows, columns):
         pass
+
+    def option(self, batch, drafter, target_width, limit):
+        options = drafter.options()
+        return options[len(self.chosen) % len(options)]
 
     def choose(self, acceptance, draft_seconds, target_columns, *, limit=None, **kw):
         k = self.ks[len(self.chosen) % len(self.ks)]

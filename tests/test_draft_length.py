@@ -230,6 +230,97 @@ def test_chooser_waits_for_speculation_to_pay_for_the_drafts_prefill():
     assert chooser.choose([0.9] * 4, drafting, 100, remaining=5)[0] > 0
 
 
+class _Batch:
+    """The part of a RowBatch the chooser reads: its rows, their prompts and budgets."""
+
+    def __init__(self, rows, budget=100):
+        self.prompts, self._budget = [[1, 2]] * rows, budget
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def budget(self, j):
+        return self._budget
+
+
+class _Sourced:
+    """A drafter whose rows propose from named sources; with ``options``, each option its own sources,
+    per-token draft seconds and caps."""
+
+    name, has_logits = "sourced", False
+
+    def __init__(self, plans):
+        self.plans, self.option = plans, next(iter(plans))
+
+    def options(self):
+        return tuple(self.plans)
+
+    def all_sources(self):
+        return tuple(sorted({s for sources, _, _ in self.plans.values() for s in sources}))
+
+    def use(self, option, acceptance=None):
+        self.option = option
+
+    def sources(self, k):
+        return self.plans[self.option][0]
+
+    def seconds(self, k, rows):
+        return k * self.plans[self.option][1]
+
+    def available(self, k):
+        return [min(k, c) for c in self.plans[self.option][2]]
+
+
+def test_each_source_has_its_own_acceptance():
+    """Rows that proposed from the model and rows that looked up are counted in separate pools: a rejected
+    lookup does not lower the model's estimate (each pool as a RowAcceptance fed only its rows' blocks)."""
+    target = {t: 0.2 + 0.01 * t for t in range(1, 10)}
+    auto = AutoDraftLength(8, target_cost=_Planted(target))
+    drafter = _Sourced({"mixed": (["model", "lookup", "model"], 0.01, [8, 8, 8])})
+    owner = torch.nn.Linear(1, 1)  # the target whose earlier calls' trials are remembered
+    auto.start(_Batch(3), owner, drafter, ("exact",))
+    model, lookup = RowAcceptance(3, auto.prior_acceptance), RowAcceptance(3, auto.prior_acceptance)
+    for accepted, verified in (([4, 0, 2], [4, 5, 4]), ([3, 1, 4], [3, 6, 4])):
+        auto.next(_Batch(3), drafter, 100, 1, 8)
+        auto.observe(accepted, verified, 0.3)
+        model.update([accepted[0], 0, accepted[2]], [verified[0], 0, verified[2]])
+        lookup.update([0, accepted[1], 0], [0, verified[1], 0])
+    np.testing.assert_allclose(auto.estimates(["model", "lookup", "model"]),
+                               [model.estimates()[0], lookup.estimates()[1], model.estimates()[2]])
+    np.testing.assert_allclose(auto.estimates(["lookup"] * 3), lookup.estimates())
+    assert auto.estimates(["model"] * 3)[1] > auto.estimates(["lookup"] * 3)[1]
+    auto.select([0, 2])  # row 1 leaves: its trials stay in its pool
+    lookup.select([0, 2])
+    np.testing.assert_allclose(auto.estimates(["lookup", "lookup"]), lookup.estimates())
+    auto.finish()
+    auto.start(_Batch(1), owner, drafter, ("exact",))  # a later call starts from both pools' trials
+    prior = auto.prior_acceptance
+    np.testing.assert_allclose(auto.estimates(["lookup"]), RowAcceptance(1, prior, (1.0, 2.0)).estimates())
+    np.testing.assert_allclose(auto.estimates(["model"]), RowAcceptance(1, prior, (13.0, 1.0)).estimates())
+
+
+@pytest.mark.parametrize("free_has_match", [True, False])
+def test_auto_takes_the_option_whose_best_k_is_fastest_once_every_source_was_tried(free_has_match):
+    """Option "mixed" drafts (model and lookup rows) at 0.05 s a token, "free" at nothing but only where it
+    found a match. The first block is mixed whatever "free" would predict (the model's source untried);
+    once both sources have trials, auto takes "free" where it has a match and "mixed" where it proposes
+    nothing, each at that option's best K."""
+    target = {t: 0.2 + 0.01 * t for t in range(1, 10)}
+    auto = AutoDraftLength(8, target_cost=_Planted(target), min_gain=0.0)
+    caps = [8, 8] if free_has_match else [0, 0]
+    drafter = _Sourced({"mixed": (["model", "lookup"], 0.05, [8, 8]), "free": (["lookup"] * 2, 0.0, caps)})
+    auto.start(_Batch(2), torch.nn.Linear(1, 1), drafter, ("exact",))
+    k, _ = auto.next(_Batch(2), drafter, 100, 1, 8)
+    assert drafter.option == "mixed" and k > 0
+    auto.observe([k, k], [k, k], 0.3)  # both rows accepted all: both sources tried, estimates stay high
+    k, _ = auto.next(_Batch(2), drafter, 100, 1, 8)
+    want = "free" if free_has_match else "mixed"
+    assert drafter.option == want
+    rates = auto.rates(auto.estimates(drafter.sources(8)), lambda k: drafter.seconds(k, 2), 100,
+                       caps=drafter.available(8), remaining=100)
+    assert k == int(np.nanargmax(rates)) > 0
+
+
 def test_bad_draft_lengths_are_refused():
     target, draft = tiny_pair("llama")
     ids = torch.tensor([[1, 2, 3]])

@@ -2,6 +2,7 @@
 (the target's greedy tokens) through pad.generate, batched, with stop tokens and a chosen K."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,6 +163,43 @@ def test_hybrid_runs_the_model_only_for_rows_without_a_long_match():
     assert hybrid.free_blocks > 0 and hybrid.model_blocks > 0  # the first block looked up, later ones drafted
     # Each model block drafts 4 (the last may be cut by the budget); lookup blocks none.
     assert 4 * (hybrid.model_blocks - 1) < out.stats.draft_forwards <= 4 * hybrid.model_blocks
+
+
+def test_hybrid_free_option_takes_every_match_and_mixed_only_long_ones():
+    """Mixed: a row's lookup proposal where its match is >= min_match tokens, else the model; free: every row
+    its lookup proposal, however short the match (nothing without one). The options tell auto K the rows'
+    sources apart."""
+    _, draft = tiny_pair("llama")
+    rows = [[5, 9, 8, 3, 5], [1, 2, 3, 4, 1, 2, 3], [10, 11, 12]]  # a 1-gram match, a 3-gram match, none
+    hybrid = make_drafter("hybrid", draft)  # min_match 2, lookup n-grams 1..3
+    hybrid.start(RowBatch(rows, 20, set()), pad.decoding.drafters.Sampling(), torch.device("cpu"))
+    assert hybrid.options() == ("mixed", "free") and hybrid.option == "mixed"
+    assert hybrid.sources(3) == ["model", "lookup", "model"] and hybrid.available(3) == [3, 3, 3]
+    hybrid.use("free")
+    assert hybrid.sources(3) == ["lookup"] * 3 and hybrid.available(3) == [3, 3, 0]
+    assert hybrid.catch_up(3) == 0.0
+    proposal = hybrid.propose(None, 3)  # no model forward: every row looked up
+    assert proposal.tokens.tolist() == [[9, 8, 3], [4, 1, 2], [0, 0, 0]] and proposal.lengths.tolist() == [3, 3, 0]
+    assert proposal.forwards == [0, 0, 0] and hybrid.free_blocks == 1 and hybrid.model_blocks == 0
+    with pytest.raises(ValueError, match="unknown option 'model'"):
+        hybrid.use("model")
+
+
+def test_hybrid_mixed_sends_a_long_match_to_the_model_where_its_estimate_is_higher():
+    """Given each source's per-row acceptance, mixed keeps a long match on the lookup only where the lookup's
+    estimate is at least the model's; short matches and rows without one take the model whatever."""
+    _, draft = tiny_pair("llama")
+    rows = [[5, 9, 8, 3, 5], [1, 2, 3, 4, 1, 2, 3], [7, 8, 9, 7, 8, 9]]  # a 1-gram match, two long ones
+    hybrid = make_drafter("hybrid", draft)
+    hybrid.start(RowBatch(rows, 20, set()), pad.decoding.drafters.Sampling(), torch.device("cpu"))
+    assert hybrid.all_sources() == ("model", "lookup")
+    estimates = {"model": np.array([0.2, 0.8, 0.5]), "lookup": np.array([0.9, 0.3, 0.5])}
+    hybrid.use("mixed", lambda sources: np.array([estimates[s][j] for j, s in enumerate(sources)]))
+    assert hybrid.sources(3) == ["model", "model", "lookup"]
+    hybrid.select([1, 2])  # the per-row preference follows the rows that stay
+    assert hybrid.sources(3) == ["model", "lookup"]
+    hybrid.use("mixed")  # no estimates: by match length alone
+    assert hybrid.sources(3) == ["lookup", "lookup"]
 
 
 class _Constant:

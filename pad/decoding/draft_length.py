@@ -302,6 +302,10 @@ class RowAcceptance:
         self.gone_rejected += self.rejected[gone].sum()
         self.accepted, self.rejected = self.accepted[keep], self.rejected[keep]
 
+    def trials(self) -> float:
+        """Trials in the pool: this call's and the remembered ones."""
+        return float(self.accepted.sum() + self.rejected.sum() + self.gone_accepted + self.gone_rejected)
+
     def new_trials(self) -> tuple[float, float]:
         """(accepted, rejected) trials of this call's blocks."""
         return (float(self.accepted.sum() + self.gone_accepted - self.remembered[0]),
@@ -405,7 +409,9 @@ class AutoDraftLength:
     measured time), ``target(K)`` one target forward over K + 1 tokens per row from the target's
     ``ForwardCost``, and ``overhead`` the rest of a block (verification, bookkeeping) as measured so far. A draft
     model's catch-up (the committed tokens it has not seen) is spread over the blocks left (``choose``). K = 0
-    is a plain target step.
+    is a plain target step. A drafter whose rows propose from different sources (``hybrid``: a lookup match
+    or the draft model) names each row's with ``sources(k)``; each source then has its own acceptance
+    estimates, so that a source that is seldom accepted does not hold another back.
 
     ``target_cost`` / ``draft_cost``: cost models to use (anything with ``predict(rows, tokens, columns)``);
     None: the process-wide ones of the models (``forward_cost``), probed on first use where they lack the
@@ -442,28 +448,72 @@ class AutoDraftLength:
         self.clock = ForwardClock()
         if draft is not None:
             drafter.cost, drafter.clock = self.draft_cost, self.clock
-        self._acceptance = self.acceptance(target, draft, (drafter.name, *settings), len(batch))
+        self._models, self._settings, self._rows = (target, draft), (drafter.name, *settings), len(batch)
+        self._pools: dict = {}  # source (None: the drafter's only one) -> (RowAcceptance, remembered trials)
+        self._sources: list = [None] * len(batch)  # per row, the source of the block being decoded
         self._start = time.perf_counter()
+
+    def _pool(self, source) -> RowAcceptance:
+        """The acceptance estimates of ``source``'s proposals (made at its first use, for the live rows)."""
+        if source not in self._pools:
+            key = self._settings if source is None else (*self._settings, source)
+            trials = _TRIALS.setdefault(self._models[0], {}).setdefault((id(self._models[1]), key), [0.0, 0.0])
+            self._pools[source] = (self.acceptance(trials, self._rows), trials)
+        return self._pools[source][0]
+
+    def estimates(self, sources: list) -> np.ndarray:
+        """[B] per-token acceptance of each live row's proposals from ``sources[j]``."""
+        pools = {s: self._pool(s).estimates() for s in set(sources)}
+        return np.array([pools[s][j] for j, s in enumerate(sources)], dtype=np.float64)
 
     def forward(self, dec, ids: torch.Tensor, fed: torch.Tensor, keep: int) -> torch.Tensor:
         """The target's forward, timed into its cost model."""
         return self.clock.forward(dec, ids, fed, keep, self.target_cost)
 
     def next(self, batch, drafter, target_width: int, target_pending: int, limit: int) -> tuple[int, float]:
-        """(K, predicted seconds) of the next block."""
+        """(K, predicted seconds) of the next block. A drafter with ``options`` (``hybrid``: mixed or draft-free
+        proposals) is first set, with ``use``, to the one whose best K is predicted fastest; ``use`` is also
+        handed ``estimates``, each source's per-row acceptance, for drafters that choose a source per row."""
+        if getattr(drafter, "options", None) is not None:
+            drafter.use(self.option(batch, drafter, target_width, limit), self.estimates)
+        acceptance, seconds, width, kw = self._inputs(batch, drafter, target_width, limit)
+        k, self._predicted = self.choose(acceptance, seconds, width, target_pending=target_pending, **kw)
+        return k, self._predicted
+
+    def option(self, batch, drafter, target_width: int, limit: int) -> str:
+        """The one of ``drafter.options()`` whose best K is predicted fastest (ties: the first). Until each of
+        ``drafter.all_sources()`` has been tried (its pool has trials, this call's or remembered), only the
+        first option is weighed: an untried source has no measured acceptance and, for a draft model, no
+        measured prefill, so a cheaper option would be taken on the prior alone and the source never learnt."""
+        options = drafter.options()
+        if not all(self._pool(s).trials() for s in drafter.all_sources()):
+            options = options[:1]
+        best, chosen = -math.inf, None
+        for option in options:
+            drafter.use(option, self.estimates)
+            acceptance, seconds, width, kw = self._inputs(batch, drafter, target_width, limit)
+            rate = np.nanmax(self.rates(acceptance, seconds, width, **kw), initial=-math.inf)
+            if chosen is None or rate > best:
+                best, chosen = rate, option
+        return chosen
+
+    def _inputs(self, batch, drafter, target_width: int, limit: int) -> tuple:
+        """``choose``'s arguments for ``drafter`` as it stands (its rows' sources noted for ``observe``)."""
         available = getattr(drafter, "available", None)
         catch_up = getattr(drafter, "catch_up", None)
-        k, self._predicted = self.choose(
-            self._acceptance.estimates(), lambda k: drafter.seconds(k, len(batch)), target_width,
-            target_pending=target_pending, catch_up=catch_up(len(batch)) if catch_up else 0.0, limit=limit,
-            remaining=sum(batch.budget(j) for j in range(len(batch))) / len(batch),
-            caps=available(self.max_draft_tokens) if available else None)
-        return k, self._predicted
+        sources = getattr(drafter, "sources", None)
+        self._sources = sources(self.max_draft_tokens) if sources else [None] * len(batch)
+        return (self.estimates(self._sources), lambda k: drafter.seconds(k, len(batch)), target_width,
+                {"catch_up": catch_up(len(batch)) if catch_up else 0.0, "limit": limit,
+                 "remaining": sum(batch.budget(j) for j in range(len(batch))) / len(batch),
+                 "caps": available(self.max_draft_tokens) if available else None})
 
     def observe(self, accepted: list[int], verified: list[int], seconds: float) -> None:
         """A block's result: per row the drafts accepted and verified (empty lists after K = 0), its seconds."""
-        if verified:
-            self._acceptance.update(accepted, verified)
+        for source in set(self._sources) if verified else ():
+            mine = [s == source for s in self._sources]
+            self._pool(source).update([n if m else 0 for n, m in zip(accepted, mine)],
+                                      [n if m else 0 for n, m in zip(verified, mine)])
         self.record_overhead(seconds - self.clock.take())
         if math.isfinite(self._predicted) and seconds > 0:
             self.errors.append(abs(self._predicted - seconds) / seconds)
@@ -475,12 +525,17 @@ class AutoDraftLength:
         return float(np.mean(self.errors)) if len(self.errors) >= 4 else PRIOR_MIN_GAIN
 
     def select(self, keep: list[int]) -> None:
-        self._acceptance.select(keep)
+        for pool, _ in self._pools.values():
+            pool.select(keep)
+        self._sources = [self._sources[j] for j in keep]
+        self._rows = len(keep)
 
     def finish(self) -> None:
-        if getattr(self, "_acceptance", None) is not None:
-            self.remember(self._acceptance)
-            self._acceptance = None
+        for pool, trials in getattr(self, "_pools", {}).values():
+            accepted, rejected = pool.new_trials()
+            trials[0] += accepted
+            trials[1] += rejected
+        self._pools = {}
 
     # --- the model behind it ------------------------------------------------------------------------------
 
@@ -505,19 +560,13 @@ class AutoDraftLength:
                 if missing:
                     probe(model, cost, b, missing, max(columns, 1))
 
-    def acceptance(self, target, draft, settings, rows: int) -> RowAcceptance:
-        """A call's ``RowAcceptance``, its pool seeded with the trials of earlier calls in this process of the
-        same ``target`` and ``draft`` under the same ``settings`` (drafter, policy and sampling; hashable)."""
-        self._trials = _TRIALS.setdefault(target, {}).setdefault((id(draft), settings), [0.0, 0.0])
-        accepted, rejected = self._trials
+    def acceptance(self, trials: list[float], rows: int) -> RowAcceptance:
+        """A call's ``RowAcceptance`` for ``rows`` rows, its pool seeded with ``trials`` (accepted, rejected) of
+        earlier calls in this process (same models, drafter, source, policy and sampling), scaled down to
+        ``REMEMBERED_TRIALS`` so that the call's own blocks soon outweigh them."""
+        accepted, rejected = trials
         scale = min(1.0, REMEMBERED_TRIALS / max(accepted + rejected, 1.0))
         return RowAcceptance(rows, self.prior_acceptance, (accepted * scale, rejected * scale))
-
-    def remember(self, acceptance: RowAcceptance) -> None:
-        """Add a call's trials to what later calls start from."""
-        accepted, rejected = acceptance.new_trials()
-        self._trials[0] += accepted
-        self._trials[1] += rejected
 
     def block_time(self, k: int, rows: int, target_columns: int, draft_seconds, target_pending: int = 1) -> float:
         """Predicted seconds of a block of k drafts (k = 0: a plain target step): the target's forward over
@@ -538,6 +587,20 @@ class AutoDraftLength:
         prefill. The target's ``target_pending`` tokens are fed whatever K comes: they weigh on no choice,
         only on the predicted seconds returned.
         """
+        rate = self.rates(acceptance, draft_seconds, target_columns, catch_up=catch_up, remaining=remaining,
+                          limit=limit, caps=caps)
+        top, rows = len(rate) - 1, len(acceptance)
+        if not np.isfinite(rate).any():  # no usable prediction: fall back to the largest K
+            return top, math.nan
+        k = int(np.nanargmax(rate))
+        if k and np.isfinite(rate[0]) and rate[k] <= rate[0] * (1 + self.gain_needed()):
+            k = 0  # within the prediction's own error of a plain step: not worth the risk
+        return k, self.block_time(k, rows, target_columns, draft_seconds, target_pending) + (catch_up if k else 0.0)
+
+    def rates(self, acceptance, draft_seconds, target_columns: int, *, catch_up: float = 0.0,
+              remaining: float = math.inf, limit: int | None = None, caps=None) -> np.ndarray:
+        """[K + 1] predicted new tokens per second of the batch at each K that ``choose`` weighs (NaN where
+        there is no prediction); the arguments as ``choose``'s."""
         acceptance = np.asarray(acceptance, dtype=np.float64)
         rows = len(acceptance)
         caps = np.full(rows, self.max_draft_tokens) if caps is None else np.asarray(caps)
@@ -553,13 +616,7 @@ class AutoDraftLength:
         # The target's pending tokens (the prompt, at the first block) cost the same whatever K: left out.
         weighed = np.array([self.block_time(k, rows, target_columns, draft_seconds) for k in range(top + 1)])
         weighed[1:] += catch_up / np.maximum(1.0, remaining / per_row[1:])
-        rate = np.where(weighed > 0, per_row / np.where(weighed > 0, weighed, 1.0), np.nan)
-        if not np.isfinite(rate).any():  # no usable prediction: fall back to the largest K
-            return top, math.nan
-        k = int(np.nanargmax(rate))
-        if k and np.isfinite(rate[0]) and rate[k] <= rate[0] * (1 + self.gain_needed()):
-            k = 0  # within the prediction's own error of a plain step: not worth the risk
-        return k, self.block_time(k, rows, target_columns, draft_seconds, target_pending) + (catch_up if k else 0.0)
+        return np.where(weighed > 0, per_row / np.where(weighed > 0, weighed, 1.0), np.nan)
 
     def record_overhead(self, seconds: float) -> None:
         """A block's time outside its forwards."""

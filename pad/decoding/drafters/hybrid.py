@@ -5,6 +5,13 @@ A row takes the draft-free drafter's proposal (``lookup`` by default) when the n
 is at least ``min_match`` tokens long and proposes something; every other row takes the draft model's. The
 model runs only in blocks where some row needs it (at B = 1: only when the row does); it then runs over
 the whole batch, as its cache is one tensor, and only the rows that need it count its forwards.
+
+With ``num_draft_tokens="auto"`` each source's acceptance is estimated apart (``sources`` names each row's),
+and a row whose match is long enough still takes the model when the model's estimate for it is higher: the
+model's cost is paid for the whole batch once it runs, so where it runs each row takes the likelier source.
+The chooser also weighs, per block, the draft-free drafter alone (every row its proposal, however short its
+match; rows without one propose nothing): where the model's drafts are not worth their cost (a long
+context, a low acceptance), a short match still is.
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ class HybridDrafter:
         self.free = free if free is not None else LookupDrafter()
         self.min_match = min_match
         self.model_blocks = self.free_blocks = 0  # blocks the model ran in / did not
+        self.option = "mixed"
+        self.prefer_model = None  # per live row, whether mixed takes the model over a long match
 
     @property
     def cost(self):
@@ -45,16 +54,46 @@ class HybridDrafter:
         self.drafter.clock = value
 
     def start(self, batch, sampling, device, needs_logits: bool = False) -> None:
+        self.option, self.prefer_model, self.rows = "mixed", None, len(batch)
         self.drafter.start(batch, sampling, device)
         self.free.start(batch, sampling, device)
         self.sampling, self.device = sampling, device
 
+    def options(self) -> tuple[str, ...]:
+        """The ways this drafter can propose: ``"mixed"`` (the free drafter's match where it is at least
+        ``min_match`` long, else the model) and ``"free"`` (the free drafter alone)."""
+        return ("mixed", "free")
+
+    def all_sources(self) -> tuple[str, ...]:
+        """Every source a row's proposal can come from (as ``sources`` names them)."""
+        return ("model", self.free.name)
+
+    def use(self, option: str, acceptance=None) -> None:
+        """Propose the ``option`` way (see ``options``) until told otherwise; each call starts mixed.
+        ``acceptance``: sources [B] -> [B] per-token acceptance estimates of the live rows (the chooser's
+        ``estimates``); mixed then sends a row with a long match to the model where the model's estimate is
+        the higher (None: by match length alone)."""
+        if option not in self.options():
+            raise ValueError(f"unknown option {option!r}; choose one of {', '.join(self.options())}")
+        self.option, self.prefer_model = option, None
+        if acceptance is not None:
+            b = self.rows
+            self.prefer_model = (acceptance(["model"] * b) > acceptance([self.free.name] * b)).tolist()
+
     def _plan(self, k: int) -> list[tuple[list[int], bool]]:
         """Per live row (the free drafter's tokens, whether the row takes the model's instead)."""
-        return [(tokens, n < self.min_match or not tokens) for tokens, n in self.free.matches(k)]
+        matches = self.free.matches(k)
+        if self.option == "free":
+            return [(tokens, False) for tokens, _ in matches]
+        prefer = self.prefer_model or [False] * len(matches)
+        return [(tokens, n < self.min_match or not tokens or p) for (tokens, n), p in zip(matches, prefer)]
 
     def available(self, k: int) -> list[int]:
         return [k if use_model else len(tokens) for tokens, use_model in self._plan(k)]
+
+    def sources(self, k: int) -> list[str]:
+        """Per live row where a block of k drafts comes from: ``"model"`` or the free drafter's name."""
+        return ["model" if use_model else self.free.name for _, use_model in self._plan(k)]
 
     def seconds(self, k: int, rows: int) -> float:
         needs_model = any(use_model for _, use_model in self._plan(k))
@@ -98,6 +137,9 @@ class HybridDrafter:
     def select(self, keep: list[int]) -> None:
         self.drafter.select(keep)
         self.free.select(keep)
+        self.rows = len(keep)
+        if self.prefer_model is not None:
+            self.prefer_model = [self.prefer_model[j] for j in keep]
 
     def finish(self, batch) -> None:
         self.drafter.finish(batch)
