@@ -346,7 +346,8 @@ DRAFT_LENGTH_HELP = (f"draft tokens per block (default {DEFAULT_K}), or auto: ea
 MAX_DRAFT_HELP = "with -k auto: the largest K a block may take (default 12)"
 DRAFTER_HELP = ("what proposes the drafts: model (the draft model), lookup (prompt lookup: no draft model), "
                 "suffix (frequent continuations of the context and earlier outputs), hybrid (lookup where its "
-                "match is long enough, else the draft model)")
+                "match is long enough, else the draft model; with -k auto also lookup alone, block by block, "
+                "where that is predicted faster once both sources have been tried)")
 
 
 def _draft_length(text: str):

@@ -171,8 +171,9 @@ def generate(
     when ``draft`` is given), ``"lookup"`` (prompt lookup: the tokens that followed the latest earlier
     occurrence of the row's last n-gram; no draft model needed), ``"suffix"`` (the most frequent continuation
     over the row's context and this process's earlier outputs), ``"hybrid"`` (lookup where its match is long
-    enough, else the draft model), or a ``Drafter`` of your own. Every rule but ``kl`` reads the target alone
-    and works with any drafter; ``kl`` needs one with the draft's distribution (``model``).
+    enough, else the draft model; with ``"auto"`` each source's acceptance is estimated apart, and lookup alone
+    is also weighed in blocks where that is predicted faster), or a ``Drafter`` of your own. Every rule but
+    ``kl`` reads the target alone and works with any drafter; ``kl`` needs the draft's distribution (``model``).
     exact_prefix: each row's first ``exact_prefix`` new tokens are decided by the exact rule, later ones by
     the policy. A model's refusals of harmful requests are decided mostly in the first tokens of its reply
     (Qi et al., "Safety Alignment Should Be Made More Than Just a Few Tokens Deep", arXiv 2406.05946), which
