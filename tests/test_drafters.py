@@ -168,7 +168,7 @@ def test_hybrid_runs_the_model_only_for_rows_without_a_long_match():
 def test_hybrid_free_option_takes_every_match_and_mixed_only_long_ones():
     """Mixed: a row's lookup proposal where its match is >= min_match tokens, else the model; free: every row
     its lookup proposal, however short the match (nothing without one). The options tell auto K the rows'
-    sources apart."""
+    sources apart, a match shorter than min_match (or none) being a source of its own."""
     _, draft = tiny_pair("llama")
     rows = [[5, 9, 8, 3, 5], [1, 2, 3, 4, 1, 2, 3], [10, 11, 12]]  # a 1-gram match, a 3-gram match, none
     hybrid = make_drafter("hybrid", draft)  # min_match 2, lookup n-grams 1..3
@@ -176,7 +176,7 @@ def test_hybrid_free_option_takes_every_match_and_mixed_only_long_ones():
     assert hybrid.options() == ("mixed", "free") and hybrid.option == "mixed"
     assert hybrid.sources(3) == ["model", "lookup", "model"] and hybrid.available(3) == [3, 3, 3]
     hybrid.use("free")
-    assert hybrid.sources(3) == ["lookup"] * 3 and hybrid.available(3) == [3, 3, 0]
+    assert hybrid.sources(3) == ["lookup-short", "lookup", "lookup-short"] and hybrid.available(3) == [3, 3, 0]
     assert hybrid.catch_up(3) == 0.0
     proposal = hybrid.propose(None, 3)  # no model forward: every row looked up
     assert proposal.tokens.tolist() == [[9, 8, 3], [4, 1, 2], [0, 0, 0]] and proposal.lengths.tolist() == [3, 3, 0]

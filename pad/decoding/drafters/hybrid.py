@@ -11,7 +11,9 @@ and a row whose match is long enough still takes the model when the model's esti
 model's cost is paid for the whole batch once it runs, so where it runs each row takes the likelier source.
 The chooser also weighs, per block, the draft-free drafter alone (every row its proposal, however short its
 match; rows without one propose nothing): where the model's drafts are not worth their cost (a long
-context, a low acceptance), a short match still is.
+context, a low acceptance), a short match still is. Matches shorter than ``min_match`` are a source of
+their own (``"lookup-short"``): they are accepted far less often than long ones, and pooled with them
+they would make the long matches look worse than the model.
 """
 from __future__ import annotations
 
@@ -65,8 +67,14 @@ class HybridDrafter:
         return ("mixed", "free")
 
     def all_sources(self) -> tuple[str, ...]:
-        """Every source a row's proposal can come from (as ``sources`` names them)."""
+        """The sources every option draws on, each to be tried before options are weighed (as ``sources``
+        names them; the free option's short matches, ``short``, are learnt when it runs)."""
         return ("model", self.free.name)
+
+    @property
+    def short(self) -> str:
+        """The source name of the free drafter's matches shorter than ``min_match``."""
+        return f"{self.free.name}-short"
 
     def use(self, option: str, acceptance=None) -> None:
         """Propose the ``option`` way (see ``options``) until told otherwise; each call starts mixed.
@@ -80,35 +88,38 @@ class HybridDrafter:
             b = self.rows
             self.prefer_model = (acceptance(["model"] * b) > acceptance([self.free.name] * b)).tolist()
 
-    def _plan(self, k: int) -> list[tuple[list[int], bool]]:
-        """Per live row (the free drafter's tokens, whether the row takes the model's instead)."""
+    def _plan(self, k: int) -> list[tuple[list[int], bool, int]]:
+        """Per live row (the free drafter's tokens, whether the row takes the model's instead, the match's
+        length)."""
         matches = self.free.matches(k)
         if self.option == "free":
-            return [(tokens, False) for tokens, _ in matches]
+            return [(tokens, False, n) for tokens, n in matches]
         prefer = self.prefer_model or [False] * len(matches)
-        return [(tokens, n < self.min_match or not tokens or p) for (tokens, n), p in zip(matches, prefer)]
+        return [(tokens, n < self.min_match or not tokens or p, n) for (tokens, n), p in zip(matches, prefer)]
 
     def available(self, k: int) -> list[int]:
-        return [k if use_model else len(tokens) for tokens, use_model in self._plan(k)]
+        return [k if use_model else len(tokens) for tokens, use_model, _ in self._plan(k)]
 
     def sources(self, k: int) -> list[str]:
-        """Per live row where a block of k drafts comes from: ``"model"`` or the free drafter's name."""
-        return ["model" if use_model else self.free.name for _, use_model in self._plan(k)]
+        """Per live row where a block of k drafts comes from: ``"model"``, the free drafter's name (a match of
+        at least ``min_match`` tokens) or ``short`` (a shorter one, or none)."""
+        return ["model" if use_model else self.free.name if n >= self.min_match else self.short
+                for _, use_model, n in self._plan(k)]
 
     def seconds(self, k: int, rows: int) -> float:
-        needs_model = any(use_model for _, use_model in self._plan(k))
+        needs_model = any(use_model for _, use_model, _ in self._plan(k))
         return self.drafter.seconds(k, rows) if needs_model else self.free.seconds(k, rows)
 
     def catch_up(self, rows: int) -> float:
-        return self.drafter.catch_up(rows) if any(m for _, m in self._plan(1)) else 0.0
+        return self.drafter.catch_up(rows) if any(m for _, m, _ in self._plan(1)) else 0.0
 
     def propose(self, batch, k: int) -> Proposal:
         plan = self._plan(k)
         b = len(plan)
-        used = [use_model for _, use_model in plan]
-        lengths = torch.tensor([k if m else len(t) for t, m in plan], dtype=torch.long)
+        used = [use_model for _, use_model, _ in plan]
+        lengths = torch.tensor([k if m else len(t) for t, m, _ in plan], dtype=torch.long)
         tokens = torch.zeros((b, k), dtype=torch.long)
-        for j, (t, m) in enumerate(plan):
+        for j, (t, m, _) in enumerate(plan):
             if not m and t:
                 tokens[j, : len(t)] = torch.tensor(t, dtype=torch.long)
         tokens = tokens.to(self.device)
