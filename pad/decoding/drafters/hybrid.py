@@ -12,8 +12,8 @@ model's cost is paid for the whole batch once it runs, so where it runs each row
 The chooser also weighs, per block, the draft-free drafter alone (every row its proposal, however short its
 match; rows without one propose nothing): where the model's drafts are not worth their cost (a long
 context, a low acceptance), a short match still is. Matches shorter than ``min_match`` are a source of
-their own (``short``: ``"lookup-short"`` for lookup): they are accepted far less often than long ones, and pooled with them
-they would make the long matches look worse than the model.
+their own (``short``: ``"lookup-short"`` for lookup): they are accepted far less often than long ones,
+and pooled with them they would make the long matches look worse than the model.
 """
 from __future__ import annotations
 
