@@ -258,8 +258,8 @@ class _Sourced:
     def all_sources(self):
         return tuple(sorted({s for sources, _, _ in self.plans.values() for s in sources}))
 
-    def use(self, option, acceptance=None):
-        self.option = option
+    def use(self, option, acceptance=None, k=None):
+        self.option, self.k = option, k  # k: the draft length its sources would be weighed at
 
     def sources(self, k):
         return self.plans[self.option][0]
@@ -304,18 +304,19 @@ def test_auto_takes_the_option_whose_best_k_is_fastest_once_every_source_was_tri
     """Option "mixed" drafts (model and lookup rows) at 0.05 s a token, "free" at nothing but only where it
     found a match. The first block is mixed whatever "free" would predict (the model's source untried);
     once both sources have trials, auto takes "free" where it has a match and "mixed" where it proposes
-    nothing, each at that option's best K."""
+    nothing, each at that option's best K. Options are told the K of the last block that drafted (the
+    largest before any)."""
     target = {t: 0.2 + 0.01 * t for t in range(1, 10)}
     auto = AutoDraftLength(8, target_cost=_Planted(target), min_gain=0.0)
     caps = [8, 8] if free_has_match else [0, 0]
     drafter = _Sourced({"mixed": (["model", "lookup"], 0.05, [8, 8]), "free": (["lookup"] * 2, 0.0, caps)})
     auto.start(_Batch(2), torch.nn.Linear(1, 1), drafter, ("exact",))
     k, _ = auto.next(_Batch(2), drafter, 100, 1, 8)
-    assert drafter.option == "mixed" and k > 0
+    assert drafter.option == "mixed" and k > 0 and drafter.k == 8
     auto.observe([k, k], [k, k], 0.3)  # both rows accepted all: both sources tried, estimates stay high
-    k, _ = auto.next(_Batch(2), drafter, 100, 1, 8)
+    first, (k, _) = k, auto.next(_Batch(2), drafter, 100, 1, 8)
     want = "free" if free_has_match else "mixed"
-    assert drafter.option == want
+    assert drafter.option == want and drafter.k == first
     rates = auto.rates(auto.estimates(drafter.sources(8)), lambda k: drafter.seconds(k, 2), 100,
                        caps=drafter.available(8), remaining=100)
     assert k == int(np.nanargmax(rates)) > 0

@@ -185,21 +185,33 @@ def test_hybrid_free_option_takes_every_match_and_mixed_only_long_ones():
         hybrid.use("model")
 
 
-def test_hybrid_mixed_sends_a_long_match_to_the_model_where_its_estimate_is_higher():
-    """Given each source's per-row acceptance, mixed keeps a long match on the lookup only where the lookup's
-    estimate is at least the model's; short matches and rows without one take the model whatever."""
+def test_hybrid_mixed_sends_a_long_match_to_the_model_where_it_expects_more_tokens():
+    """Given each source's per-row acceptance, mixed keeps a long match on the lookup only where its proposal
+    (at most k tokens) is expected to give at least as many tokens as the model's k drafts; short matches and
+    rows without one take the model whatever."""
     _, draft = tiny_pair("llama")
-    rows = [[5, 9, 8, 3, 5], [1, 2, 3, 4, 1, 2, 3], [7, 8, 9, 7, 8, 9]]  # a 1-gram match, two long ones
+    # a 1-gram match, two long ones proposing 3 tokens, a long one proposing 2 ("4 5" followed by "4 5")
+    rows = [[5, 9, 8, 3, 5], [1, 2, 3, 4, 1, 2, 3], [7, 8, 9, 7, 8, 9], [4, 5, 4, 5]]
     hybrid = make_drafter("hybrid", draft)
     hybrid.start(RowBatch(rows, 20, set()), pad.decoding.drafters.Sampling(), torch.device("cpu"))
     assert hybrid.all_sources() == ("model", "lookup")
-    estimates = {"model": np.array([0.2, 0.8, 0.5]), "lookup": np.array([0.9, 0.3, 0.5])}
-    hybrid.use("mixed", lambda sources: np.array([estimates[s][j] for j, s in enumerate(sources)]))
-    assert hybrid.sources(3) == ["model", "model", "lookup"]
-    hybrid.select([1, 2])  # the per-row preference follows the rows that stay
-    assert hybrid.sources(3) == ["model", "lookup"]
+    assert hybrid.available(3) == [3, 3, 3, 2]
+    estimates = {"model": np.array([0.2, 0.8, 0.5, 0.8]), "lookup": np.array([0.9, 0.3, 0.5, 0.9])}
+
+    def per_row(sources):
+        return np.array([estimates[s][j] for j, s in enumerate(sources)])
+
+    # Last row at k = 3: the lookup's 1 + .9 + .81 = 2.71 tokens against the model's 1 + .8 + .64 + .512.
+    hybrid.use("mixed", per_row, 3)
+    assert hybrid.sources(3) == ["model", "model", "lookup", "model"]
+    hybrid.use("mixed", per_row, 1)  # at k = 1 the cap does not bind: 1.9 against 1.8
+    assert hybrid.sources(3) == ["model", "model", "lookup", "lookup"]
+    hybrid.select([1, 2, 3])  # the per-row preference follows the rows that stay
+    assert hybrid.sources(3) == ["model", "lookup", "lookup"]
     hybrid.use("mixed")  # no estimates: by match length alone
-    assert hybrid.sources(3) == ["lookup", "lookup"]
+    assert hybrid.sources(3) == ["lookup", "lookup", "lookup"]
+    with pytest.raises(ValueError, match="draft length k"):
+        hybrid.use("mixed", per_row)
 
 
 class _Constant:

@@ -451,6 +451,7 @@ class AutoDraftLength:
         self._models, self._settings, self._rows = (target, draft), (drafter.name, *settings), len(batch)
         self._pools: dict = {}  # source (None: the drafter's only one) -> (RowAcceptance, remembered trials)
         self._sources: list = [None] * len(batch)  # per row, the source of the block being decoded
+        self._k = self.max_draft_tokens  # the K of the last block that drafted: a hybrid's rows weigh sources at it
         self._start = time.perf_counter()
 
     def _pool(self, source) -> RowAcceptance:
@@ -473,11 +474,13 @@ class AutoDraftLength:
     def next(self, batch, drafter, target_width: int, target_pending: int, limit: int) -> tuple[int, float]:
         """(K, predicted seconds) of the next block. A drafter with ``options`` (``hybrid``: mixed or draft-free
         proposals) is first set, with ``use``, to the one whose best K is predicted fastest; ``use`` is also
-        handed ``estimates``, each source's per-row acceptance, for drafters that choose a source per row."""
+        handed ``estimates``, each source's per-row acceptance, and the K of the last block that drafted, for
+        drafters that choose a source per row."""
         if getattr(drafter, "options", None) is not None:
-            drafter.use(self.option(batch, drafter, target_width, limit), self.estimates)
+            drafter.use(self.option(batch, drafter, target_width, limit), self.estimates, self._k)
         acceptance, seconds, width, kw = self._inputs(batch, drafter, target_width, limit)
         k, self._predicted = self.choose(acceptance, seconds, width, target_pending=target_pending, **kw)
+        self._k = k or self._k
         return k, self._predicted
 
     def option(self, batch, drafter, target_width: int, limit: int) -> str:
@@ -490,7 +493,7 @@ class AutoDraftLength:
             options = options[:1]
         best, chosen = -math.inf, None
         for option in options:
-            drafter.use(option, self.estimates)
+            drafter.use(option, self.estimates, self._k)
             acceptance, seconds, width, kw = self._inputs(batch, drafter, target_width, limit)
             rate = np.nanmax(self.rates(acceptance, seconds, width, **kw), initial=-math.inf)
             if chosen is None or rate > best:

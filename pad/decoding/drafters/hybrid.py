@@ -7,8 +7,10 @@ model runs only in blocks where some row needs it (at B = 1: only when the row d
 the whole batch, as its cache is one tensor, and only the rows that need it count its forwards.
 
 With ``num_draft_tokens="auto"`` each source's acceptance is estimated apart (``sources`` names each row's),
-and a row whose match is long enough still takes the model when the model's estimate for it is higher: the
-model's cost is paid for the whole batch once it runs, so where it runs each row takes the likelier source.
+and a row whose match is long enough still takes the model when the model's drafts are expected to give it
+more tokens: the model's cost is paid for the whole batch once it runs, so where it runs each row takes the
+source of more expected tokens at the block's K (a lookup proposes only what followed its match, often
+fewer than K, while the model proposes K).
 The chooser also weighs, per block, the draft-free drafter alone (every row its proposal, however short its
 match; rows without one propose nothing): where the model's drafts are not worth their cost (a long
 context, a low acceptance), a short match still is. Matches shorter than ``min_match`` are a source of
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..draft_length import expected_tokens
 from .base import Proposal
 from .lookup import LookupDrafter
 from .model import ModelDrafter
@@ -76,17 +79,23 @@ class HybridDrafter:
         """The source name of the free drafter's matches shorter than ``min_match``."""
         return f"{self.free.name}-short"
 
-    def use(self, option: str, acceptance=None) -> None:
+    def use(self, option: str, acceptance=None, k: int | None = None) -> None:
         """Propose the ``option`` way (see ``options``) until told otherwise; each call starts mixed.
         ``acceptance``: sources [B] -> [B] per-token acceptance estimates of the live rows (the chooser's
-        ``estimates``); mixed then sends a row with a long match to the model where the model's estimate is
-        the higher (None: by match length alone)."""
+        ``estimates``); mixed then sends a row with a long match to the model where the model's k drafts
+        are expected to give more tokens than the match's proposal, at most k long (``expected_tokens``);
+        None: by match length alone. ``k``: the block's expected draft length, needed with ``acceptance``."""
         if option not in self.options():
             raise ValueError(f"unknown option {option!r}; choose one of {', '.join(self.options())}")
         self.option, self.prefer_model = option, None
         if acceptance is not None:
+            if not isinstance(k, int) or k < 1:
+                raise ValueError(f"use: acceptance estimates need the block's draft length k >= 1, got {k!r}")
             b = self.rows
-            self.prefer_model = (acceptance(["model"] * b) > acceptance([self.free.name] * b)).tolist()
+            model, free = acceptance(["model"] * b), acceptance([self.free.name] * b)
+            caps = [len(tokens) for tokens, _ in self.free.matches(k)]
+            self.prefer_model = [expected_tokens(float(m), k) > expected_tokens(float(f), min(k, c))
+                                 for m, f, c in zip(model, free, caps)]
 
     def _plan(self, k: int) -> list[tuple[list[int], bool, int]]:
         """Per live row (the free drafter's tokens, whether the row takes the model's instead, the match's
