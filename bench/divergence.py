@@ -12,11 +12,12 @@ Replies are retokenized from their text, so a divergence inside a word that toke
 own is reported at the nearest token boundary.
 """
 import argparse
-import json
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
+from pad import jsonl
 from pad.evaluation import tasks
 from pad.models.registry import load
 
@@ -38,10 +39,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runs: dict[str, dict[str, dict]] = defaultdict(dict)
-    with open(args.log) as f:
-        for line in f:
-            r = json.loads(line)
-            runs[r["policy"]][r["problem"]] = r
+    for r in jsonl.read(Path(args.log)):
+        runs[r["policy"]][r["problem"]] = r
     policies = args.policies.split(",")
     for p in ["target", *policies]:
         if p not in runs:
