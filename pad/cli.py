@@ -111,7 +111,7 @@ def _generate(args) -> int:
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens, sigma=args.sigma,
         floor=args.floor, draft_stop=args.draft_stop, drafter=args.drafter if name not in ("target", "draft") else None,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        callback=stream if args.stream else None, exact_prefix=args.exact_prefix,
+        callback=stream if args.stream else None, exact_prefix=args.exact_prefix, judge_free=args.judge_free,
     )
     new = result.sequences[0, input_ids.shape[1]:]
     if not args.stream:
@@ -166,6 +166,7 @@ def _bench(args) -> int:
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
+            + ("_judgefree" if args.judge_free else "")
             + (f"{sampled}_s{args.seed}" if sampled else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
@@ -174,7 +175,8 @@ def _bench(args) -> int:
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,
                      draft_stop=args.draft_stop, max_draft_tokens=args.max_draft_tokens,
                      log=Path(args.out) / f"{runs}.runs.jsonl" if args.out else None,
-                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, drafter=args.drafter)
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, drafter=args.drafter,
+                     judge_free=args.judge_free)
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     how = f"temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed}" if sampled else "greedy"
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
@@ -348,6 +350,9 @@ DRAFTER_HELP = ("what proposes the drafts: model (the draft model), lookup (prom
                 "suffix (frequent continuations of the context and earlier outputs), hybrid (lookup where its "
                 "match is long enough, else the draft model; with -k auto also lookup alone, block by block, "
                 "where that is predicted faster once both sources have been tried)")
+JUDGE_FREE_HELP = ("pivot: let the classifier also judge draft-free proposals (lookup, suffix, hybrid's lookup rows); "
+                   "by default the exact rule decides them and the classifier judges only the draft model's drafts, "
+                   "the kind its labels hold")
 
 
 def _draft_length(text: str):
@@ -375,6 +380,7 @@ def _add_generate_command(sub) -> None:
     g.add_argument("--drafter", choices=DRAFTERS, default="model", help=DRAFTER_HELP)
     g.add_argument("--exact-prefix", type=int, default=0,
                    help="decide the first N new tokens by the exact rule, later ones by the policy")
+    g.add_argument("--judge-free", action="store_true", help=JUDGE_FREE_HELP)
     g.add_argument("--floor", type=float, default=1e-4)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -412,6 +418,7 @@ def _add_bench_command(sub) -> None:
     b.add_argument("--draft-stop", type=float, help=DRAFT_STOP_HELP + " (every speculative policy)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--floor", type=float, default=1e-4)
+    b.add_argument("--judge-free", action="store_true", help=JUDGE_FREE_HELP + " (every pivot policy)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); > 0: sample, every policy from the same seeded draws per batch")
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")

@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 import torch
 
-from pad import machine
+from pad import PivotClassifier, machine
 from pad.evaluation import bench, tasks
 from test_cli import _tokenizer
 from test_generate_pivot import _classifier
@@ -62,6 +62,24 @@ def test_bench_runs_draft_free_rows_beside_transformers_prompt_lookup(tmp_path):
     settings = {r["policy"]: r["settings"] for r in (json.loads(line) for line in log.read_text().splitlines())}
     assert settings["exact/lookup"]["drafter"] == "lookup" and settings["exact/hybrid"]["drafter"] == "hybrid"
     assert "drafter" not in settings["target"] and settings["hf-lookup"]["batch_size"] == 1
+
+
+def test_bench_keys_pivot_runs_with_draft_free_proposals_by_who_judges_them(tmp_path):
+    """pivot@1 (floor 0) with lookup gives the target's replies unless judge_free; a judge_free run of the same
+    policy is not taken from the other's records."""
+    target, draft, tok, problems = _bench_setup()
+    problems = problems[:2]
+    clf = PivotClassifier(target.config.hidden_size, layer=-1).eval()
+    specs = bench.parse_policies("target,pivot@1/lookup")
+    log = tmp_path / "runs.jsonl"
+    kw = dict(num_draft_tokens=4, max_new_tokens=10, progress=False, log=log, classifier=clf, floor=0.0)
+    by = {r["policy"]: r for r in bench.run("gsm8k", problems, target, draft, tok, specs, **kw)}
+    assert by["pivot@1/lookup"]["new_tokens"] == by["target"]["new_tokens"]
+    judged = {r["policy"]: r for r in bench.run("gsm8k", problems, target, draft, tok, specs, judge_free=True, **kw)}
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    pivot = [r["settings"]["judge_free"] for r in records if r["policy"] == "pivot@1/lookup"]
+    assert sorted(pivot) == [False, False, True, True] and len(records) == 6  # the target's runs reused
+    assert judged["pivot@1/lookup"]["acceptance_rate"] == 1.0  # every lookup draft passed
 
 
 def test_bench_runs_each_policy_at_its_own_draft_length(tmp_path):

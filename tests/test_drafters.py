@@ -249,6 +249,69 @@ def test_a_drafter_of_ones_own_and_ragged_proposals():
     assert isinstance(pack([[1], []], 2, "cpu"), Proposal)
 
 
+class _MarkedConstant(_Constant):
+    """_Constant whose rows say whether they came without a draft model (``Proposal.free``): ``free``."""
+
+    def __init__(self, free: list[bool]):
+        self.free = free
+
+    def propose(self, batch, k):
+        proposal = super().propose(batch, k)
+        proposal.free = [self.free[r] for r in batch.live]
+        return proposal
+
+
+def test_pivot_leaves_draft_free_rows_to_the_exact_rule_unless_told_to_judge_them():
+    """sigma = 1 with floor 0 passes every draft the classifier judges: rows marked draft-free still decode the
+    target's greedy tokens, the others take every draft; with judge_free every row takes every draft."""
+    target, _ = tiny_pair("llama")
+    clf = pad.PivotClassifier(target.config.hidden_size, layer=-1).eval()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    ids, mask = left_padded(prompts)
+    free = [True, False, True]
+    out = pad.generate(target, None, ids, attention_mask=mask, policy="pivot", classifier=clf, sigma=1.0, floor=0.0,
+                       drafter=_MarkedConstant(free), num_draft_tokens=3, max_new_tokens=10)
+    for i, p in enumerate(prompts):
+        s = out.row_stats[i]
+        if free[i]:
+            assert out.sequences[i, ids.shape[1]:].tolist() == greedy_from_scratch(target, p, 10)
+            assert s.relaxed_accepted == 0
+        else:
+            assert s.accepted == s.drafted and s.relaxed_accepted > 0
+    judged = pad.generate(target, None, ids, attention_mask=mask, policy="pivot", classifier=clf, sigma=1.0,
+                          floor=0.0, drafter=_MarkedConstant(free), num_draft_tokens=3, max_new_tokens=10,
+                          judge_free=True)
+    assert all(s.accepted == s.drafted for s in judged.row_stats) and judged.stats.relaxed_accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_pivot_with_a_lookup_judges_only_the_draft_models_drafts(drafter):
+    """Through the shipped drafters: pivot at sigma = 1, floor 0 with lookup is exact/lookup (the target's greedy
+    tokens) unless judge_free; hybrid's lookup rows stay exact, so only blocks that ran the model relax."""
+    target, draft = tiny_pair("llama")
+    clf = pad.PivotClassifier(target.config.hidden_size, layer=-1).eval()
+    prompts = _repeating_prompts(4, 3)
+    ids, mask = left_padded(prompts)
+    model = draft if drafter == "hybrid" else None
+
+    def run(judge_free):
+        hybrid = make_drafter(drafter, model)
+        out = pad.generate(target, model, ids, attention_mask=mask, policy="pivot", classifier=clf, sigma=1.0,
+                           floor=0.0, drafter=hybrid, num_draft_tokens=4, max_new_tokens=16, judge_free=judge_free)
+        return out, hybrid
+
+    out, used = run(False)
+    if drafter == "lookup":
+        for i, p in enumerate(prompts):
+            assert out.sequences[i, ids.shape[1]:].tolist() == greedy_from_scratch(target, p, 16)
+        assert out.stats.relaxed_accepted == 0 and out.stats.drafted > 0
+    else:  # the model's drafts are all taken; a block of lookup rows only takes what the target would
+        assert used.model_blocks > 0 and out.stats.relaxed_accepted > 0
+        assert out.stats.accepted < out.stats.drafted
+    judged, _ = run(True)
+    assert judged.stats.accepted == judged.stats.drafted and judged.stats.relaxed_accepted > 0
+
+
 def test_drafter_errors_are_clear():
     target, draft = tiny_pair("llama")
     ids = torch.tensor([[1, 2, 3]])
@@ -268,6 +331,10 @@ def test_drafter_errors_are_clear():
         pad.generate(target, None, ids, drafter=3)
     with pytest.raises(ValueError, match="min_ngram"):
         LookupDrafter(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="judge_free lets the pivot classifier.*'exact' has no classifier"):
+        pad.generate(target, None, ids, policy="exact", drafter="lookup", judge_free=True)
+    with pytest.raises(ValueError, match="judge_free must be True or False"):
+        pad.generate(target, None, ids, policy="exact", drafter="lookup", judge_free=1)
 
 
 def test_the_shipped_drafters_and_lengths_follow_their_protocols():

@@ -137,6 +137,7 @@ def generate(
     draft_stop: float | None = None,
     drafter: str | Drafter | None = None,
     exact_prefix: int = 0,
+    judge_free: bool = False,
 ) -> GenerationResult:
     """Decode with a target HuggingFace causal LM and a drafter: a draft model sharing its tokenizer, or a
     draft-free drafter (prompt lookup, suffix counts), or both.
@@ -173,11 +174,16 @@ def generate(
     over the row's context and this process's earlier outputs), ``"hybrid"`` (lookup where its match is long
     enough, else the draft model; with ``"auto"`` each source's acceptance is estimated apart, and lookup alone
     is also weighed in blocks where that is predicted faster), or a ``Drafter`` of your own. Every rule but
-    ``kl`` reads the target alone and works with any drafter; ``kl`` needs the draft's distribution (``model``).
+    ``kl`` reads the target alone and works with any drafter (pivot's classifier judging a draft model's drafts
+    only, unless ``judge_free``); ``kl`` needs the draft's distribution (``model``).
     exact_prefix: each row's first ``exact_prefix`` new tokens are decided by the exact rule, later ones by
     the policy. A model's refusals of harmful requests are decided mostly in the first tokens of its reply
     (Qi et al., "Safety Alignment Should Be Made More Than Just a Few Tokens Deep", arXiv 2406.05946), which
     a relaxed rule could otherwise accept from the draft; deciding them exactly keeps the target's own.
+    judge_free: pivot only: the classifier also judges draft-free proposals (lookup, suffix, hybrid's lookup
+    rows). False (the default): the exact rule decides those, and the classifier judges only a draft model's
+    drafts, the kind of token its labels hold (a lookup copies tokens from the context, which the target may
+    give almost no probability).
     On the CPU a warning says when the KV caches of every row run to its budget exceed the memory left.
     Returns ``GenerationResult(sequences [B, P + N], stats, lengths [B], row_stats)``.
     """
@@ -190,6 +196,11 @@ def generate(
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
     if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
         raise ValueError(f"exact_prefix must be an integer >= 0, got {exact_prefix!r}")
+    if not isinstance(judge_free, bool):
+        raise ValueError(f"judge_free must be True or False, got {judge_free!r}")
+    if judge_free and policy != "pivot":
+        raise ValueError(f"judge_free lets the pivot classifier judge draft-free proposals; policy {policy!r} has "
+                         "no classifier")
     ids, prompts = _prompts(input_ids, attention_mask)
     speculating = policy not in ("target", "draft")
     if drafter is not None and not speculating:
@@ -237,7 +248,8 @@ def generate(
         else:
             length = num_draft_tokens if isinstance(num_draft_tokens, AutoDraftLength) else FixedDraftLength(
                 num_draft_tokens)
-            acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend, exact_prefix)
+            acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend, exact_prefix,
+                                    judge_free)
             speculative.decode(Decoder(target, vocab, len(prompts)), drafter, batch, length, acceptance, sampling)
     stats = batch.total()
     lengths = torch.tensor([len(n) for n in batch.new], dtype=torch.long)

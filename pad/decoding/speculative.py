@@ -27,7 +27,8 @@ from .sampling import warp_logits
 @dataclass(frozen=True)
 class Acceptance:
     """How drafts are judged: the op's rule, and for pivot the classifier (its ``sigma`` and ``floor``);
-    ``exact_prefix``: each row's first that many new tokens are decided by the exact rule."""
+    ``exact_prefix``: each row's first that many new tokens are decided by the exact rule; ``judge_free``:
+    the classifier also judges draft-free proposals (``Proposal.free``), else the exact rule decides them."""
 
     rule: AcceptRule = AcceptRule()
     classifier: PivotClassifier | None = None
@@ -35,11 +36,12 @@ class Acceptance:
     floor: float = 1e-4
     backend: str | None = None
     exact_prefix: int = 0
+    judge_free: bool = False
 
     def key(self) -> tuple:
         """What makes acceptance rates comparable between calls (hashable)."""
         return (self.rule, self.sigma, self.floor, self.classifier is not None and id(self.classifier),
-                self.exact_prefix)
+                self.exact_prefix, self.judge_free)
 
     @property
     def relaxed(self) -> bool:
@@ -47,11 +49,17 @@ class Acceptance:
         return self.classifier is not None or self.rule.name != "exact"
 
 
-def exact_until(exact_prefix: int, committed: list[int], drafts: torch.Tensor):
-    """[B] the draft positions of each row that the exact rule decides (its new tokens before
-    ``exact_prefix``), or None when no row has any."""
-    left = [max(0, exact_prefix - c) for c in committed]
-    return torch.tensor(left, device=drafts.device) if any(left) else None
+def exact_until(acceptance: Acceptance, committed: list[int], proposal: Proposal) -> list[int] | None:
+    """[B] the draft positions of each row that the exact rule decides under a relaxed ``acceptance``: its
+    new tokens before ``exact_prefix``, and with the pivot classifier every draft of a draft-free row
+    (unless ``judge_free``: the classifier's labels are a draft model's mismatches, and a lookup's
+    proposals are not like them); None when no row has any. A host list."""
+    if not acceptance.relaxed:
+        return None
+    left = [max(0, acceptance.exact_prefix - c) for c in committed]
+    if acceptance.classifier is not None and not acceptance.judge_free and proposal.free is not None:
+        left = [proposal.k if free else n for free, n in zip(proposal.free, left)]
+    return left if any(left) else None
 
 
 def keep_exact_prefix(relaxed, exact, until, counts=None):
@@ -145,7 +153,9 @@ class _Verifier:
         k = proposal.k if proposal is not None else 0
         drafts = proposal.tokens if proposal is not None else torch.empty((b, 0), dtype=torch.long, device=device)
         ids, fed = left_pad(pending, device)
-        judge = capture is not None and k > 0
+        until = exact_until(acceptance, [len(n) for n in committed], proposal) if k else None
+        exact_only = until is not None and min(until) >= k  # the relaxed rule has nothing to decide
+        judge = capture is not None and k > 0 and not exact_only
         if capture is not None:
             capture.keep = k + 1
         logits = self.length.forward(target, torch.cat([ids, drafts], 1),
@@ -169,12 +179,10 @@ class _Verifier:
                   "num_drafts": proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None
                   else None}
         res = verify_block(warped, drafts, capture.value if judge else None, self.folded if judge else None,
-                           sigma=acceptance.sigma, floor=acceptance.floor, rule=acceptance.rule, out=self.workspace,
-                           **inputs)
-        until = (exact_until(acceptance.exact_prefix, [len(n) for n in committed], drafts)
-                 if k and acceptance.exact_prefix and acceptance.relaxed else None)
-        if until is not None:  # the same block, the same draws, by the exact rule (outputs of its own)
-            res = keep_exact_prefix(res, verify_block(warped, drafts, **inputs), until)
+                           sigma=acceptance.sigma, floor=acceptance.floor,
+                           rule=AcceptRule() if exact_only else acceptance.rule, out=self.workspace, **inputs)
+        if until is not None and not exact_only:  # the same block, the same draws, by the exact rule
+            res = keep_exact_prefix(res, verify_block(warped, drafts, **inputs), torch.tensor(until, device=device))
         bad = (~torch.isfinite(res.entropy).all()).long()[None]
         host = torch.cat([res.num_accepted, res.next_token, bad, res.pivot_accepted.long().flatten()]).tolist()
         if host[2 * b]:

@@ -269,7 +269,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
         num_draft_tokens: int | str, max_new_tokens: int, classifier=None, floor: float = 1e-4, progress: bool = True,
         settings: dict | None = None, log: Path | None = None, models=None, batch_size: int = 1,
         draft_stop: float | None = None, max_draft_tokens: int | None = None, temperature: float = 0.0,
-        top_p: float = 1.0, seed: int = 0, drafter: str = "model") -> list[dict]:
+        top_p: float = 1.0, seed: int = 0, drafter: str = "model", judge_free: bool = False) -> list[dict]:
     """Run every policy on every problem; returns one summary row per policy (see ``PolicyTotals.row``).
 
     Problems go ``batch_size`` at a time through each policy in turn (``hf-assisted`` and ``hf-lookup`` one at
@@ -279,7 +279,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     callable returning (target, draft), called the first time a run is missing, in place of ``target`` and
     ``draft`` (so a table of logged runs is printed without loading any weights). ``num_draft_tokens``: K of
     the policies without their own (``PolicySpec.k``); ``"auto"`` with ``max_draft_tokens`` as in ``generate``.
-    ``drafter``: that of the speculative policies without their own (``PolicySpec.drafter``).
+    ``drafter``: that of the speculative policies without their own (``PolicySpec.drafter``). ``judge_free``:
+    the pivot policies' classifier also judges draft-free proposals (``generate``'s ``judge_free``).
     ``temperature`` > 0 samples (with ``top_p``); each batch of problems draws from its own generator, seeded by
     ``seed`` and its first problem (``group_seed``), so a run repeats whatever ran before it in the process.
     """
@@ -325,6 +326,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                        "batch_size": 1 if spec.policy in ONE_AT_A_TIME else batch_size}
                 if spec_drafter not in (None, "model"):  # absent for the draft model, so older logs stay valid
                     key["drafter"] = spec_drafter
+                    if spec.policy == "pivot":  # absent in logs of before the choice: never reused
+                        key["judge_free"] = judge_free
                 if k == "auto":
                     key["max_draft_tokens"] = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS
                 found = [runs.find(key, p.id, spec.name) for p in group]
@@ -336,7 +339,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                         probed_at = time.monotonic()
                     ids = [tasks.prompt_ids(tokenizer, task, p)[0].tolist() for p in group]
                     how = _Decoding(target, draft, tokenizer, classifier, floor, eos, draft_stop, max_draft_tokens,
-                                    sampling)
+                                    sampling, judge_free)
                     if spec.name not in warm:
                         _run_group(task, group, spec, ids, how, k, spec_drafter, min(WARMUP_TOKENS, max_new_tokens),
                                    score=False)
@@ -524,8 +527,8 @@ def group_seed(seed: int, first_problem: str) -> int:
 @dataclass(frozen=True)
 class _Decoding:
     """What every run of a bench shares: the models, the classifier and its floor, the EOS ids, the draft
-    stop and auto K's longest block (None: the defaults), and ``sampling`` (temperature, top_p and seed; empty:
-    greedy)."""
+    stop and auto K's longest block (None: the defaults), ``sampling`` (temperature, top_p and seed; empty:
+    greedy) and whether pivot's classifier judges draft-free proposals."""
     target: torch.nn.Module
     draft: torch.nn.Module | None
     tokenizer: object
@@ -535,6 +538,7 @@ class _Decoding:
     draft_stop: float | None
     max_draft_tokens: int | None
     sampling: dict
+    judge_free: bool = False
 
 
 def _run_group(task, group, spec, ids, how: _Decoding, k, drafter: str | None, max_new_tokens: int,
@@ -560,6 +564,7 @@ def _run_group(task, group, spec, ids, how: _Decoding, k, drafter: str | None, m
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                           draft_stop=how.draft_stop if drafter in ("model", "hybrid") else None,
                           max_draft_tokens=how.max_draft_tokens if k == "auto" else None, drafter=drafter,
+                          judge_free=how.judge_free and spec.policy == "pivot",
                           **({"temperature": sampling["temperature"], "top_p": sampling["top_p"],
                               "seed": group_seed(sampling["seed"], group[0].id)} if sampling else {}))
         seconds, P, total = result.stats.wall_time, batch.shape[1], result.stats

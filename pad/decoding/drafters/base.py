@@ -4,7 +4,8 @@ A drafter proposes up to K tokens for each live row of a ``RowBatch`` (rows may 
 optionally with the distribution each token was drawn from; it is told what each row committed; it predicts
 what proposing costs, so that ``num_draft_tokens="auto"`` can weigh it. The acceptance rules that read the
 target alone (exact, pivot, typical, threshold, fly, topk) apply to any drafter; ``kl`` reads the draft's
-distribution and needs a drafter with ``has_logits``.
+distribution and needs a drafter with ``has_logits``. A proposal says which rows came without a draft model
+(``Proposal.free``): pivot's classifier leaves those to the exact rule unless told otherwise.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class Proposal:
     deterministic proposal, which the decode treats as one-hot). logits: [B, k, V] the drafter's logits,
     warped by the sampling's top-p (for rules that read them; None if the drafter has none).
     forwards: [B] draft-model forwards each row took part in this block (counted in the stats).
+    free: [B] per row, whether its drafts came without a draft model (a lookup or suffix match): the pivot
+    classifier, trained on a draft model's mismatches, leaves such rows to the exact rule unless told to
+    judge them (``generate``'s ``judge_free``); None: no row's did.
     """
 
     tokens: torch.Tensor
@@ -46,6 +50,7 @@ class Proposal:
     probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     forwards: list[int] | None = None
+    free: list[bool] | None = None
 
     @property
     def k(self) -> int:
@@ -133,10 +138,11 @@ class FreeDrafter:
 
 
 def pack(proposals: list[list[int]], k: int, device) -> Proposal:
-    """Token lists (each at most k long) -> a deterministic ``Proposal`` [B, k], right-padded with 0."""
+    """Token lists (each at most k long) -> a deterministic ``Proposal`` [B, k], right-padded with 0, every row
+    draft-free."""
     tokens = torch.zeros((len(proposals), k), dtype=torch.long)
     for j, p in enumerate(proposals):
         if p:
             tokens[j, : len(p)] = torch.tensor(p, dtype=torch.long)
     lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long)
-    return Proposal(tokens.to(device), lengths, forwards=[0] * len(proposals))
+    return Proposal(tokens.to(device), lengths, forwards=[0] * len(proposals), free=[True] * len(proposals))

@@ -134,7 +134,7 @@ class HybridDrafter:
         tokens = tokens.to(self.device)
         if not any(used):
             self.free_blocks += 1
-            return Proposal(tokens, lengths, forwards=[0] * b)
+            return Proposal(tokens, lengths, forwards=[0] * b, free=[True] * b)
         self.model_blocks += 1
         drafted = self.drafter.propose(batch, k)
         self.drafter.use_rows(used)
@@ -148,7 +148,7 @@ class HybridDrafter:
             one_hot = torch.nn.functional.one_hot(tokens, drafted.probs.shape[-1]).to(drafted.probs)
             probs = torch.where(mask[:, None, None], drafted.probs, one_hot)
         forwards = [f if m else 0 for f, m in zip(drafted.forwards, used)]
-        return Proposal(tokens, lengths, probs=probs, forwards=forwards)
+        return Proposal(tokens, lengths, probs=probs, forwards=forwards, free=[not m for m in used])
 
     def commit(self, batch, proposal, accepted, kept) -> None:
         self.drafter.commit(batch, proposal, accepted, kept)
