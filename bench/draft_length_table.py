@@ -15,6 +15,7 @@ import json
 import math
 from collections import defaultdict
 
+from paired import row_name  # bench/, this script's folder: pivot's rows by who judges draft-free proposals
 from pad.evaluation.bench import PolicyTotals
 
 
@@ -29,13 +30,14 @@ def main():
     with open(args.log) as f:
         for line in f:
             r = json.loads(line)
-            key = (r["settings"]["batch_size"], r["policy"], r["problem"])
+            name = row_name(r)
+            key = (r["settings"]["batch_size"], name, r["problem"])
             if key in seen:  # a rerun of a logged run: the first one counts, as in the bench's tables
                 continue
             seen.add(key)
-            totals[r["settings"]["batch_size"]].setdefault(r["policy"], PolicyTotals()).add(r)
+            totals[r["settings"]["batch_size"]].setdefault(name, PolicyTotals()).add(r)
             if args.per_batch:
-                records[r["settings"]["batch_size"]][r["policy"]][problem_index(r["problem"])] = r
+                records[r["settings"]["batch_size"]][name][problem_index(r["problem"])] = r
     for batch, rows in sorted(totals.items(), reverse=True):
         problems = max(t.problems for t in rows.values())
         target = rows["target"].row("target")["tokens_per_s"] if "target" in rows else math.nan

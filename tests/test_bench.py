@@ -537,3 +537,29 @@ def test_paired_mean_difference_is_the_t_interval_over_problems():
     assert x["gained_vs_target"] == 0
     with pytest.raises(ValueError):
         bench.paired_mean_difference([0.5], [0.5])
+
+
+def test_paired_script_separates_who_judges_draft_free_proposals():
+    """bench/paired.py: pivot records with a lookup-capable drafter are rows by judge_free (absent: judged, as
+    before the choice); each pair's difference is (only a right - only b right) / problems."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("paired", Path(__file__).resolve().parents[1] / "bench" / "paired.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    right = {"target": [1, 1, 1, 0, 1], "pivot@0.3/hybrid": [1, 0, 1, 1, 1], "old": [0, 0, 1, 0, 1]}
+    records = []
+    for name, outcomes in right.items():
+        settings = {"drafter": "hybrid", "judge_free": False} if name == "pivot@0.3/hybrid" else (
+            {"drafter": "hybrid"} if name == "old" else {})
+        records += [{"problem": f"p{i}", "policy": "pivot@0.3/hybrid" if name == "old" else name,
+                     "settings": settings, "correct": bool(c)} for i, c in enumerate(outcomes)]
+    rows = paired.outcomes(records)
+    assert sorted(rows) == ["pivot@0.3/hybrid", "pivot@0.3/hybrid --judge-free", "target"]
+    text = paired.table(rows, ["target", "pivot@0.3/hybrid", "pivot@0.3/hybrid --judge-free"])
+    assert "| target | pivot@0.3/hybrid | 5 | +0.0 [" in text and "| 1 / 1 |" in text
+    assert "| target | pivot@0.3/hybrid --judge-free | 5 | +40.0 [" in text and "| 2 / 0 |" in text
+    with pytest.raises(ValueError, match="no scored records for exact"):
+        paired.table(rows, ["target", "exact"])
+    with pytest.raises(ValueError, match="logged twice"):
+        paired.outcomes(records + records[:1])
