@@ -59,6 +59,32 @@ def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_toke
         raise ValueError("policy 'pivot' needs a classifier (or sigma=0, which is the exact policy)")
 
 
+def _check_exact_parts(policy: str, exact_prefix, judge_free) -> None:
+    if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
+        raise ValueError(f"exact_prefix must be an integer >= 0, got {exact_prefix!r}")
+    if not isinstance(judge_free, bool):
+        raise ValueError(f"judge_free must be True or False, got {judge_free!r}")
+    if judge_free and policy != "pivot":
+        raise ValueError(f"judge_free lets the pivot classifier judge draft-free proposals; policy {policy!r} has "
+                         "no classifier")
+
+
+def _drafter(policy: Policy, drafter, draft, target, draft_stop) -> Drafter | None:
+    """generate's drafter arguments -> the ``Drafter`` of a speculative policy (None for one model alone)."""
+    if policy.name in ("target", "draft"):
+        if drafter is not None:
+            raise ValueError(f"policy {policy.name!r} decodes with one model: a drafter applies to speculative "
+                             "policies only")
+        if draft_stop is not None:
+            raise ValueError("draft_stop stops a draft model's drafting: it applies to speculative policies only")
+        return None
+    drafter = make_drafter("model" if drafter is None else drafter, draft, target=target, draft_stop=draft_stop)
+    if policy.rule.needs_draft_logits and not drafter.has_logits:
+        raise ValueError(f"policy {policy.name!r} reads the draft's distribution, which drafter {drafter.name!r} does "
+                         "not give: use drafter='model' (a draft model), or a rule that reads the target alone")
+    return drafter
+
+
 def _draft_length(num_draft_tokens, max_draft_tokens):
     """generate's K arguments -> an int K or an ``AutoDraftLength``."""
     if isinstance(num_draft_tokens, str):
@@ -194,24 +220,10 @@ def generate(
     check_rule(rule, temperature)  # a greedy-only rule with sampling fails before any model runs
     num_draft_tokens = _draft_length(num_draft_tokens, max_draft_tokens)
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
-    if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
-        raise ValueError(f"exact_prefix must be an integer >= 0, got {exact_prefix!r}")
-    if not isinstance(judge_free, bool):
-        raise ValueError(f"judge_free must be True or False, got {judge_free!r}")
-    if judge_free and policy != "pivot":
-        raise ValueError(f"judge_free lets the pivot classifier judge draft-free proposals; policy {policy!r} has "
-                         "no classifier")
+    _check_exact_parts(policy, exact_prefix, judge_free)
     ids, prompts = _prompts(input_ids, attention_mask)
     speculating = policy not in ("target", "draft")
-    if drafter is not None and not speculating:
-        raise ValueError(f"policy {policy!r} decodes with one model: a drafter applies to speculative policies only")
-    if speculating:
-        drafter = make_drafter("model" if drafter is None else drafter, draft, target=target, draft_stop=draft_stop)
-        if rule.needs_draft_logits and not drafter.has_logits:
-            raise ValueError(f"policy {policy!r} reads the draft's distribution, which drafter {drafter.name!r} does "
-                             "not give: use drafter='model' (a draft model), or a rule that reads the target alone")
-    elif draft_stop is not None:
-        raise ValueError("draft_stop stops a draft model's drafting: it applies to speculative policies only")
+    drafter = _drafter(parsed, drafter, draft, target, draft_stop)
     if draft is None and policy == "draft":
         raise ValueError(f"policy {policy!r} needs a draft model")
     if target is None and policy != "draft":
