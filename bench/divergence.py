@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from paired import row_name  # bench/, this script's folder: pivot's rows by who judges draft-free proposals
 from pad import jsonl
 from pad.evaluation import tasks
 from pad.models.registry import load
@@ -32,7 +33,9 @@ def main():
     parser.add_argument("log")
     parser.add_argument("--task", default="gsm8k", choices=["gsm8k", "humaneval"], help="the log's task")
     parser.add_argument("--split", default="dev", help="the log's split")
-    parser.add_argument("--policies", required=True, help="comma-separated policies of the log")
+    parser.add_argument("--policies", required=True, help="comma-separated rows of the log (bench/paired.py's "
+                                                          "names: a pivot row that judged lookup proposals "
+                                                          "is 'POLICY --judge-free')")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--weights", default=None, help="where the target's weights come from (pad.models.registry)")
     parser.add_argument("--threads", type=int, default=2)
@@ -40,7 +43,7 @@ def main():
     torch.set_num_threads(args.threads)
     runs: dict[str, dict[str, dict]] = defaultdict(dict)
     for r in jsonl.read(Path(args.log)):
-        runs[r["policy"]][r["problem"]] = r
+        runs[row_name(r)][r["problem"]] = r
     policies = args.policies.split(",")
     for p in ["target", *policies]:
         if p not in runs:

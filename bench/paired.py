@@ -16,12 +16,11 @@ from pathlib import Path
 from pad import jsonl
 from pad.evaluation.bench import paired_difference
 
-FREE_DRAFTERS = ("lookup", "suffix", "hybrid")
-
-
 def row_name(record: dict) -> str:
+    """The record's row: its policy, marked ``--judge-free`` where its classifier judged draft-free proposals
+    (a pivot run with any drafter but the model's, whose log key holds ``judge_free`` as ``bench.run`` sets it)."""
     settings = record["settings"]
-    judged = (record["policy"].startswith("pivot") and settings.get("drafter") in FREE_DRAFTERS
+    judged = (record["policy"].startswith("pivot") and settings.get("drafter") not in (None, "model")
               and settings.get("judge_free", True))
     return record["policy"] + (" --judge-free" if judged else "")
 
