@@ -43,6 +43,8 @@ def test_policies_parse_in_pads_grammar(policy, rule, sigma):
     ({"policy": "kl@0.5"}, "draft's logits"),
     ({"policy": "threshold@0.2", "exact_prefix": -1}, "exact_prefix"),
     ({"policy": "threshold@0.2", "exact_prefix": 2.5}, "exact_prefix"),
+    ({"policy": "pivot@0.3", "classifier": "shipped", "judge_free": 2}, "judge_free must be true or false"),
+    ({"policy": "threshold@0.2", "judge_free": True}, "judge_free is read by pivot"),
 ])
 def test_bad_configuration_is_refused(entry, message):
     with pytest.raises(ValueError, match=message):
@@ -94,6 +96,10 @@ def test_a_request_chooses_its_policy(extra_args, want):
     ({}, {"pad_policy": "threshold@0.2"}, 0.0, "no pad configuration"),
     (ENGINE, {"pad_exact_prefix": -3}, 0.0, "exact_prefix"),
     (ENGINE, {"pad": {"exact_prefix": "8"}}, 0.0, "exact_prefix"),
+    (ENGINE, {"pad": {"policy": "pivot", "judge_free": "yes"}}, 0.0, "judge_free must be true or false"),
+    (ENGINE, {"pad_policy": "pivot", "pad_judge_free": 1.0}, 0.0, "judge_free must be true or false"),
+    (ENGINE, {"pad_judge_free": True}, 0.0, "judge_free is read by pivot"),  # the engine's threshold
+    (ENGINE, {"pad": {"policy": "exact", "judge_free": True}}, 0.0, "judge_free is read by pivot"),
 ])
 def test_a_bad_request_is_refused(engine, extra_args, temperature, message):
     with pytest.raises(ValueError, match=message):
@@ -116,6 +122,20 @@ def test_exact_prefix_per_engine_and_per_request():
     assert request_exact_prefix(engine, params({"pad": {"exact_prefix": 0}})) == 0
     assert request_exact_prefix(engine, params({"pad_exact_prefix": 12})) == 12
     assert request_exact_prefix(ServingConfig.parse(ENGINE), params(None)) == 0
+
+
+def test_judge_free_per_engine_and_per_request():
+    from pad.serving.vllm import request_judge_free
+
+    judging = ServingConfig.parse({"pad": {"policy": "pivot@0.3", "classifier": "shipped", "judge_free": True}})
+    assert request_judge_free(judging, params(None)) is True
+    assert request_judge_free(judging, params({"pad": {"judge_free": False}})) is False
+    engine = ServingConfig.parse(ENGINE)
+    assert request_judge_free(engine, params(None)) is False
+    assert request_judge_free(engine, params({"pad_policy": "pivot", "pad_judge_free": True})) is True
+    assert request_judge_free(engine, params({"pad_policy": "pivot", "pad_judge_free": 1})) is True  # vllm_xargs
+    assert str(request_policy(engine, params({"pad": {"policy": "pivot", "judge_free": True}}))) == \
+        f"pivot@{DEFAULT_SIGMA:g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])

@@ -11,9 +11,12 @@ Keys: ``policy`` (pad's grammar: ``pivot[@SIGMA]``, ``threshold@TAU``, ``typical
 request's: a folder saved by ``pad-decoding train``, or ``shipped`` for the classifier shipped for the
 default pair), ``floor`` (pivot's minimum ``p_target(token)``, default 1e-4), ``backend`` (the op's
 backend, default the fastest), ``exact_prefix`` (a request's first N generated tokens decided by the
-exact rule). A request may set its own ``policy`` and ``exact_prefix`` (``REQUEST_KEYS``) in
-``SamplingParams.extra_args["pad"]``, or as flat ``pad_policy``/``pad_exact_prefix`` (the OpenAI API's
-``vllm_xargs``); it is checked as it arrives (``request_policy``), so a bad one is refused alone.
+exact rule), ``judge_free`` (pivot on a draft-free speculator, ``ngram`` or ``suffix``: false, the default,
+decides their drafts by the exact rule, as ``pad.generate`` decides a lookup's, since the classifier's labels
+are a draft model's mismatches; true lets the classifier judge them). A request may set its own ``policy``,
+``exact_prefix`` and ``judge_free`` (``REQUEST_KEYS``) in ``SamplingParams.extra_args["pad"]``, or as flat
+``pad_policy``/``pad_exact_prefix``/``pad_judge_free`` (the OpenAI API's ``vllm_xargs``); it is checked as it
+arrives (``request_policy``), so a bad one is refused alone.
 
 What changes: the engine's draft tokens are accepted by ``pad_kernels.verify_block_varlen`` instead of
 vLLM's rejection kernels, per request: greedy requests by pad's greedy rule, sampled requests by the exact
@@ -46,8 +49,10 @@ from ..decoding.policy import DEFAULT_SIGMA, SPECULATIVE, Policy, parse_policy
 from ..decoding.speculative import keep_exact_prefix
 
 CONFIG_KEY = "pad"
-KEYS = ("policy", "classifier", "floor", "backend", "exact_prefix")
-REQUEST_KEYS = ("policy", "exact_prefix")  # what a request may set over its engine's configuration
+KEYS = ("policy", "classifier", "floor", "backend", "exact_prefix", "judge_free")
+REQUEST_KEYS = ("policy", "exact_prefix", "judge_free")  # what a request may set over its engine's configuration
+FREE_SPECULATORS = ("ngram", "suffix")  # vLLM's speculative methods that propose without a draft model
+EVERY_DRAFT = 1 << 30  # a request's exact-rule positions when all its drafts are decided exactly
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 PLACEHOLDER = -1  # vLLM's token id for the unused slots of a request's output row
 
@@ -73,6 +78,7 @@ INTERNALS = (
     ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata",
      ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
       "target_logits_indices", "bonus_logits_indices", "logits_indices")),
+    ("vllm.config.speculative", "SpeculativeConfig", frozenset({"method"})),
 )
 
 # vLLM 0.33.0 differs from 0.32.0 in one of them (read from its wheel: bench/vllm_internals.py):
@@ -97,6 +103,7 @@ class ServingConfig:
     floor: float = 1e-4
     backend: str | None = None
     exact_prefix: int = 0
+    judge_free: bool = False
 
     @classmethod
     def parse(cls, additional_config) -> "ServingConfig | None":
@@ -122,7 +129,11 @@ class ServingConfig:
         floor = entry.get("floor", 1e-4)
         if not (isinstance(floor, (int, float)) and 0.0 <= floor <= 1.0):
             raise ValueError(f"floor must be a number in [0, 1], got {floor!r}")
-        return cls(policy, classifier, float(floor), entry.get("backend"), _exact_prefix(entry.get("exact_prefix", 0)))
+        judge_free = _judge_free(entry.get("judge_free", False))
+        if judge_free and not classifier:
+            raise ValueError("judge_free is read by pivot's classifier: give the engine a \"classifier\"")
+        return cls(policy, classifier, float(floor), entry.get("backend"), _exact_prefix(entry.get("exact_prefix", 0)),
+                   judge_free)
 
     def load_classifier(self):
         """The pivot classifier (``shipped``: the one shipped for the default pair), or None."""
@@ -174,11 +185,25 @@ def _exact_prefix(value) -> int:
     return value
 
 
+def _judge_free(value) -> bool:
+    # 1 and 0 too: the OpenAI API's vllm_xargs takes no booleans, and JSON's true arrives as 1
+    if isinstance(value, float) or value not in (0, 1):
+        raise ValueError(f"judge_free must be true or false, got {value!r}")
+    return bool(value)
+
+
 def request_exact_prefix(config: "ServingConfig | None", params) -> int:
     """How many of a request's first generated tokens are decided exactly: its own ``exact_prefix`` over the
     engine's (validated by ``request_policy``)."""
     settings = request_settings(getattr(params, "extra_args", None)) or {}
     return settings.get("exact_prefix", config.exact_prefix if config is not None else 0)
+
+
+def request_judge_free(config: "ServingConfig | None", params) -> bool:
+    """Whether pivot's classifier judges a request's draft-free drafts: its own ``judge_free`` over the
+    engine's (validated by ``request_policy``)."""
+    settings = request_settings(getattr(params, "extra_args", None)) or {}
+    return bool(settings.get("judge_free", config.judge_free if config is not None else False))
 
 
 def request_policy(config: "ServingConfig | None", params) -> Policy | None:
@@ -208,6 +233,8 @@ def request_policy(config: "ServingConfig | None", params) -> Policy | None:
         if policy.name == "pivot" and config.classifier is None:
             raise ValueError('policy pivot needs the engine\'s classifier: start the engine with "classifier" in '
                              "its pad configuration")
+    if settings is not None and _judge_free(settings.get("judge_free", False)) and policy.name != "pivot":
+        raise ValueError(f"judge_free is read by pivot's classifier, and this request's policy is {policy}")
     if policy.rule.name not in SAMPLING_RULES and getattr(params, "temperature", 0.0) >= SAMPLING_EPS:
         raise ValueError(f"pad's {policy} decides greedy requests only (FLy's 'matches the target' is a greedy "
                          "notion), and this request samples (temperature > 0): send it with temperature 0 or "
@@ -361,12 +388,20 @@ class Acceptance:
     relaxed: torch.Tensor | None = None  # [] int64 on the device: see relaxed_accepted
     runner: object = None
     fix_expand: bool = False  # vLLM's expand_batch_to_tokens is broken here: see vllm_expand_is_broken
-    _requests: dict = field(default_factory=dict)  # req_id -> (policy, greedy, exact_prefix), parsed once
+    free_drafts: bool = False  # the engine's speculator proposes without a draft model (FREE_SPECULATORS)
+    _requests: dict = field(default_factory=dict)  # req_id -> (policy, greedy, exact_prefix, judge_free)
 
     @property
     def relaxed_accepted(self) -> int:
         """Draft tokens accepted although the exact rule rejected them, over every block so far."""
         return int(self.relaxed) if self.relaxed is not None else 0
+
+    def exact_until(self, policy: Policy, prefix_left: int, judge_free: bool) -> int:
+        """A request's draft positions decided by the exact rule: what is left of its ``exact_prefix``, or,
+        under pivot on a draft-free speculator without ``judge_free``, every draft (``EVERY_DRAFT``)."""
+        if policy.name == "pivot" and self.free_drafts and not judge_free:
+            return EVERY_DRAFT
+        return prefix_left
 
     def requests(self, B: int) -> list[tuple[Policy, bool, int]] | None:
         """(policy, greedy, draft positions decided exactly) of each of the step's B requests in the batch's
@@ -388,10 +423,12 @@ class Acceptance:
             if known is None:
                 params = state.sampling_params
                 known = self._requests[r] = (request_policy(self.config, params), params.temperature < SAMPLING_EPS,
-                                             request_exact_prefix(self.config, params))
-            policy, greedy, prefix = known
+                                             request_exact_prefix(self.config, params),
+                                             request_judge_free(self.config, params))
+            policy, greedy, prefix, judge_free = known
             # the request's tokens so far (its first was sampled at prefill, without drafts) precede the drafts
-            out.append((policy, greedy, max(0, prefix - len(state.output_token_ids)) if prefix else 0))
+            left = max(0, prefix - len(state.output_token_ids)) if prefix else 0
+            out.append((policy, greedy, self.exact_until(policy, left, judge_free)))
         return out
 
 
@@ -437,6 +474,10 @@ def install(runner, config: ServingConfig) -> None:
         acceptance.folded = clf.fold().to(runner.device)
         acceptance.capture = HiddenCapture(model, clf.layer, vc.scheduler_config.max_num_batched_tokens,
                                            vc.model_config.get_hidden_size(), vc.model_config.dtype, runner.device)
+        acceptance.free_drafts = vc.speculative_config.method in FREE_SPECULATORS
+        if acceptance.free_drafts:
+            logger.info("pad: the %s speculator proposes without a draft model: pivot decides its drafts by the "
+                        "exact rule, unless the engine or a request sets judge_free", vc.speculative_config.method)
     acceptance.runner = runner
     sampler._pad = acceptance
     original_forward = type(sampler).forward
@@ -537,7 +578,8 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
         raise ValueError("pad's acceptance and vLLM's native FLy (rejection_sample_method fly) exclude each "
                          "other: drop one (pad's fly@GATE,WINDOW is FLy as a pad policy)")
     if requests is None:  # every request the engine's policy; greedy ones where vLLM's temperature is 0
-        requests = [(acceptance.config.policy, None, 0)] * B
+        config = acceptance.config
+        requests = [(config.policy, None, acceptance.exact_until(config.policy, 0, config.judge_free))] * B
     sampled_step = not sampling_metadata.all_greedy
     for policy, _, _ in requests:
         if sampled_step and policy.rule.name not in SAMPLING_RULES:  # refused as requests arrive: a safeguard
@@ -554,7 +596,7 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     packed[~is_draft_row] = 0.0
     packed[is_draft_row] = target_logits
     hidden = None
-    if acceptance.capture is not None and any(p.name == "pivot" for p, _, _ in requests):
+    if acceptance.capture is not None and any(p.name == "pivot" and u < EVERY_DRAFT for p, _, u in requests):
         hidden = acceptance.capture.value[metadata.logits_indices.long()]
     q = uniforms = exponentials = None
     if sampled_step:  # drawn first and for every draft slot, as vLLM draws them
@@ -604,6 +646,8 @@ def _decide(acceptance: Acceptance, policy: Policy, block: _Block, counts: list[
             until: list[int]) -> VerifyResult:
     """One policy's decision over requests with ``counts`` drafts; ``greedy`` per request (None: from vLLM's
     temperatures); ``until``: per request, its first draft positions that the exact rule decides."""
+    if all(u >= k for u, k in zip(until, counts)):  # every draft decided exactly: no classifier, no relaxing
+        return _decide_rule(acceptance, Policy("exact"), block, counts, greedy)
     relaxed = _decide_rule(acceptance, policy, block, counts, greedy)
     if (policy.rule.name == "exact" and policy.name != "pivot") or not any(until):
         return relaxed

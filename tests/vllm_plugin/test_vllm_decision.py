@@ -187,14 +187,21 @@ def test_fly_refuses_a_sampled_request():
         call(pad_rejection_sample, case, acceptance("fly@0.3,2"), case["metadata"])
 
 
-def runner_of(case, policies, generated=None):
+def runner_of(case, policies, generated=None, judge_free=None):
     """A stand-in for vLLM's model runner: its input batch's request ids and each request's sampling
-    parameters (temperature as the case's; extra_args choosing ``policies[b]``, None: the engine's)."""
+    parameters (temperature as the case's; extra_args choosing ``policies[b]``, None: the engine's, and
+    ``judge_free[b]`` when given)."""
     ids = [f"req-{b}" for b in range(len(case["counts"]))]
+    judge_free = judge_free or [None] * len(ids)
+
+    def extra_args(policy, judge):
+        settings = {**({"policy": policy} if policy else {}), **({"judge_free": judge} if judge is not None else {})}
+        return {"pad": settings} if settings else None
+
     requests = {
         rid: SimpleNamespace(
             sampling_params=SimpleNamespace(temperature=float(case["sampling"].temperature[b]),
-                                            extra_args=None if p is None else {"pad": {"policy": p}}),
+                                            extra_args=extra_args(p, judge_free[b])),
             output_token_ids=[7] * (generated[b] if generated else 1))
         for b, (rid, p) in enumerate(zip(ids, policies))}
     return SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids), requests=requests)
@@ -224,6 +231,34 @@ def test_requests_with_their_own_policies_decide_as_alone(kinds):
     want = torch.stack([alone[p][b] for b, p in enumerate(policies)])
     assert torch.equal(got, want), f"{got}\n{want}"
     assert len({tuple(alone[p].flatten().tolist()) for p in alone}) > 1, "the policies must decide differently"
+
+
+@pytest.mark.parametrize("kinds", KINDS)
+def test_pivot_decides_a_draft_free_speculators_drafts_exactly(kinds):
+    """On an engine whose speculator proposes without a draft model (ngram, suffix: no draft probabilities),
+    pivot's requests take the exact rule's rows and those setting judge_free pivot's own (the classifier
+    judging every draft), as pad.generate decides a lookup's drafts; other policies are untouched."""
+    policies = ["pivot@0.5", "threshold@0.1", None, "exact", None]  # None: the engine's pivot
+    judge_free = [False, None, True, None, None]
+    case = layout(COUNTS, 35, KINDS[kinds], draft_probs=False)
+    g = torch.Generator().manual_seed(8)
+    clf = FoldedClassifier(torch.randn(H + 2, 8, generator=g) / 4, torch.randn(8, generator=g) * 0.1,
+                           torch.randn(8, generator=g) / 3, torch.tensor(-1.0))
+
+    def decide(policy, free, runner=None):
+        acc = acceptance(policy, clf, case["hidden_tokens"])
+        acc.free_drafts, acc.runner = free, runner
+        torch.manual_seed(5)
+        reseed(case)
+        return call(pad_rejection_sample, case, acc, case["metadata"])
+
+    alone = {p: decide(p, False) for p in ("exact", "pivot@0.5", "threshold@0.1")}
+    got = decide("pivot@0.5", True, runner_of(case, policies, judge_free=judge_free))
+    want = torch.stack([alone[p][b] for b, p in enumerate(["exact", "threshold@0.1", "pivot@0.5", "exact", "exact"])])
+    assert torch.equal(got, want), f"{got}\n{want}"
+    assert torch.equal(decide("pivot@0.5", True), alone["exact"])  # no runner: every request the engine's
+    relaxed = [not torch.equal(alone["pivot@0.5"][b], alone["exact"][b]) for b in range(len(COUNTS))]
+    assert relaxed[2] and (relaxed[0] or relaxed[4]), "pivot must relax the requests told apart here"
 
 
 @pytest.mark.parametrize("kinds", KINDS)

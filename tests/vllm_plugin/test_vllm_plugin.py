@@ -26,7 +26,8 @@ def pad_config(policy, tiny):
     return {"policy": policy, **({"classifier": tiny["classifier"]} if policy.startswith("pivot") else {})}
 
 
-def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exact_prefix=0, drafter=None):
+def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exact_prefix=0, drafter=None,
+               judge_free=False):
     """What vLLM must produce: the target's first greedy token, then pad.generate from prompt + that token
     (``exact_prefix``: vLLM's, which counts that first token; ``draft`` None with a ``drafter``: draft-free)."""
     target = tiny["models"]["target"]
@@ -39,7 +40,7 @@ def pad_tokens(tiny, draft, policy, prompts=PROMPTS, max_tokens=MAX_TOKENS, exac
     out = pad.generate(target, tiny["models"][draft] if draft else None, ids, attention_mask=mask, policy=policy,
                        drafter=drafter, classifier=tiny["classifier"] if policy.startswith("pivot") else None,
                        num_draft_tokens=K, max_new_tokens=max_tokens - 1 + K, eos_token_id=[],
-                       exact_prefix=max(0, exact_prefix - 1))
+                       exact_prefix=max(0, exact_prefix - 1), judge_free=judge_free)
     new = out.sequences[:, width:].tolist()
     return [[t] + row[: max_tokens - 1] for t, row in zip(firsts, new)]
 

@@ -4,8 +4,9 @@ arctic-inference). Their drafts carry no probabilities, and every rule but kl re
 ngram: vLLM's tokens equal ``pad.generate`` with a drafter written here from vLLM's definition of its proposer,
 and every draft vLLM proposed equals that definition's. suffix: its proposals come from arctic-inference's
 suffix trees, so the drafts vLLM decided on are recorded and replayed through ``pad.generate``, which must make
-the same tokens from them. The decisions themselves are checked against pad's reference in
-test_vllm_decision.py (drafts without probabilities included).
+the same tokens from them. pivot decides these drafts exactly, as pad.generate decides a lookup's, unless a
+request sets judge_free. The decisions themselves are checked against pad's reference in test_vllm_decision.py
+(drafts without probabilities included).
 """
 import pytest
 
@@ -17,8 +18,26 @@ from test_vllm_plugin import K, MAX_TOKENS, pad_config, pad_tokens
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 12, 13, 9, 10, 11], [30, 31, 30, 32, 30, 31, 30],
            [77], [40, 41, 42, 43, 44, 45, 46, 47]]
 NGRAM = {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
-POLICIES = ["pivot@0.5", "threshold@0.05", "typical@0.3,0.3", "fly@0.3,2"]
-SUFFIX_POLICIES = ["pivot@0.5", "threshold@0.05"]
+# "pivot@0.5 judge_free": pivot with the request's judge_free set (the classifier judging the drafts).
+POLICIES = ["pivot@0.5", "pivot@0.5 judge_free", "threshold@0.05", "typical@0.3,0.3", "fly@0.3,2"]
+SUFFIX_POLICIES = ["pivot@0.5", "pivot@0.5 judge_free", "threshold@0.05"]
+
+
+def settings(policy: str) -> dict:
+    """A request's pad settings for a name of POLICIES."""
+    name, _, judge = policy.partition(" ")
+    return {"policy": name, **({"judge_free": True} if judge else {})}
+
+
+def expected(tiny, policy, drafter):
+    """pad.generate's tokens for a name of POLICIES."""
+    return pad_tokens(tiny, None, settings(policy)["policy"], PROMPTS, drafter=drafter,
+                      judge_free=policy.endswith("judge_free"))
+
+
+def relaxes(policy: str) -> bool:
+    """Whether a policy may accept what the exact rule rejects on a draft-free speculator's drafts."""
+    return policy.endswith("judge_free") or policy.split("@")[0] not in ("exact", "pivot")
 
 
 def ngram_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -77,7 +96,7 @@ def runs(tiny, tmp_path_factory):
     keys = [("suffix", p) for p in ["exact", *SUFFIX_POLICIES]] + [("ngram", p) for p in ["exact", *POLICIES]]
     spec = {"target": tiny["target"], "k": K, "runs": [
         {"speculator": s, "speculator_args": NGRAM if s == "ngram" else {}, "pad": engine, "prompts": PROMPTS,
-         "max_tokens": MAX_TOKENS, "extra_args": [{"pad": {"policy": p}}] * len(PROMPTS), "record_drafts": True,
+         "max_tokens": MAX_TOKENS, "extra_args": [{"pad": settings(p)}] * len(PROMPTS), "record_drafts": True,
          "reuse": (s, p) not in (("suffix", "exact"), ("ngram", "exact"))} for s, p in keys]}
     return dict(zip(keys, run_engines(spec, tmp_path_factory.mktemp("speculators"))))
 
@@ -93,8 +112,9 @@ def test_exact_requests_are_the_targets_greedy_output(runs, tiny, speculator):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ngram_decodes_as_pad_generate(runs, tiny, policy):
     got = runs[("ngram", policy)]
-    assert got["tokens"] == pad_tokens(tiny, None, policy, PROMPTS, drafter=VllmNgram())
-    assert got["relaxed_accepted"] > 0, "the policy must relax something for the comparison to tell it from exact"
+    assert got["tokens"] == expected(tiny, policy, VllmNgram())
+    # a relaxing policy must relax something for the comparison to tell it from exact
+    assert (got["relaxed_accepted"] > 0) == relaxes(policy)
 
 
 @pytest.mark.parametrize("policy", ["exact", *POLICIES])
@@ -112,5 +132,5 @@ def test_ngram_drafts_are_vllms_definition(runs, policy):
 def test_suffix_decodes_as_pad_generate_on_its_drafts(runs, tiny, policy):
     got = runs[("suffix", policy)]
     assert sum(len(d) for _, _, d in got["drafts"]) > 0, "suffix decoding proposed nothing"
-    assert got["tokens"] == pad_tokens(tiny, None, policy, PROMPTS, drafter=Replay(got["drafts"]))
-    assert (got["relaxed_accepted"] > 0) == (policy != "exact")
+    assert got["tokens"] == expected(tiny, policy, Replay(got["drafts"]))
+    assert (got["relaxed_accepted"] > 0) == relaxes(policy)
