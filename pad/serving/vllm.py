@@ -192,18 +192,22 @@ def _judge_free(value) -> bool:
     return bool(value)
 
 
+def _request_value(config: "ServingConfig | None", params, key: str, default):
+    """A request's own setting ``key`` over the engine's (``default`` without an engine configuration)."""
+    settings = request_settings(getattr(params, "extra_args", None)) or {}
+    return settings.get(key, getattr(config, key) if config is not None else default)
+
+
 def request_exact_prefix(config: "ServingConfig | None", params) -> int:
     """How many of a request's first generated tokens are decided exactly: its own ``exact_prefix`` over the
     engine's (validated by ``request_policy``)."""
-    settings = request_settings(getattr(params, "extra_args", None)) or {}
-    return settings.get("exact_prefix", config.exact_prefix if config is not None else 0)
+    return _request_value(config, params, "exact_prefix", 0)
 
 
 def request_judge_free(config: "ServingConfig | None", params) -> bool:
     """Whether pivot's classifier judges a request's draft-free drafts: its own ``judge_free`` over the
     engine's (validated by ``request_policy``)."""
-    settings = request_settings(getattr(params, "extra_args", None)) or {}
-    return bool(settings.get("judge_free", config.judge_free if config is not None else False))
+    return _judge_free(_request_value(config, params, "judge_free", False))
 
 
 def request_policy(config: "ServingConfig | None", params) -> Policy | None:
