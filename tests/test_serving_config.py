@@ -6,7 +6,9 @@ import torch
 from types import SimpleNamespace
 
 from pad.decoding.policy import DEFAULT_SIGMA, parse_policy
-from pad.serving.vllm import ServingConfig, expand_batch_to_tokens, request_policy
+from bad_settings import BAD_SETTINGS, ENGINE as BAD_ENGINE
+from pad.serving.vllm import (RequestSettingError, ServingConfig, expand_batch_to_tokens, request_exact_prefix,
+                              request_policy)
 
 
 def test_absent_means_not_configured():
@@ -161,3 +163,21 @@ def test_engine_refuses_a_speculator_that_does_not_fit(draft, speculator, messag
 
     with pytest.raises(ValueError, match=message):
         engine("target-folder", draft, speculator=speculator)
+
+
+@pytest.mark.parametrize("extra_args,temperature,key", [c[1:] for c in BAD_SETTINGS], ids=[c[0] for c in BAD_SETTINGS])
+def test_every_bad_setting_is_refused_naming_its_key(extra_args, temperature, key):
+    """Any type for any pad key (tests/bad_settings.py) is a RequestSettingError (vLLM's 400) naming the key as
+    the request sent it, in a message of bounded length: never a TypeError, OverflowError or a silent default."""
+    with pytest.raises(RequestSettingError) as refused:
+        request_policy(ServingConfig.parse(BAD_ENGINE), params(extra_args, temperature))
+    assert refused.value.key == key and str(refused.value).startswith(f"{key}: ")
+    assert len(str(refused.value)) < 1000
+
+
+def test_good_settings_beside_the_bad_ones_are_served():
+    """The values the table leaves out as valid are served (the table is not refusing everything)."""
+    engine = ServingConfig.parse(BAD_ENGINE)
+    assert str(request_policy(engine, params({"pad_exact_prefix": 7, "pad_judge_free": True}))) == "pivot@0.3"
+    assert str(request_policy(engine, params({"pad_policy": "fly@0.3,2"}))) == "fly@0.3,2"
+    assert request_exact_prefix(engine, params({"pad_exact_prefix": 2**31 - 1})) == 2**31 - 1

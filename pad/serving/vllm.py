@@ -146,9 +146,28 @@ class ServingConfig:
         return PivotClassifier.load(folder)
 
 
+MAX_POLICY_CHARS = 100  # longer policy strings are refused before parsing (and never echoed whole)
+MAX_EXACT_PREFIX = 2**31 - 1
+
+
+class RequestSettingError(ValueError):
+    """A request's pad setting that this engine cannot serve; ``key`` names it as the request sent it."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 def served_policy(spec) -> Policy:
     """A policy vLLM can serve (an engine's or a request's), pivot's sigma defaulted; ValueError otherwise."""
-    policy = parse_policy(spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"a policy is a string like 'pivot@0.3' or 'threshold@0.2', got {_shown(spec)}")
+    if len(spec) > MAX_POLICY_CHARS:
+        raise ValueError(f"a policy is at most {MAX_POLICY_CHARS} characters, got {len(spec)}")
+    try:
+        policy = parse_policy(spec)
+    except (TypeError, OverflowError) as e:  # "fly@0.3,inf": a window that is no whole number
+        raise ValueError(f"bad setting in policy {spec!r}: {e}") from None
     if policy.name not in SPECULATIVE:
         raise ValueError(f"policy {policy.name!r} decodes with one model: serve that model without a speculative "
                          f"config instead (pad's policies here: {', '.join(SPECULATIVE)})")
@@ -160,35 +179,49 @@ def served_policy(spec) -> Policy:
     return policy
 
 
+def _shown(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages never echo a long input whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def request_settings(extra_args) -> dict | None:
     """A request's own pad settings from its ``SamplingParams.extra_args``: ``{"pad": {"policy": ...}}``, or
     the flat ``{"pad_policy": ...}`` that the OpenAI API's ``vllm_xargs`` can carry (it takes no objects).
-    None when the request sets none."""
+    None when the request sets none. Raises ``RequestSettingError`` for a malformed ``extra_args["pad"]``."""
     if not isinstance(extra_args, dict):
         return None
-    flat = {key.removeprefix(CONFIG_KEY + "_"): v for key, v in extra_args.items() if key.startswith(CONFIG_KEY + "_")}
+    flat = {key.removeprefix(CONFIG_KEY + "_"): v for key, v in extra_args.items()
+            if isinstance(key, str) and key.startswith(CONFIG_KEY + "_")}
     if CONFIG_KEY not in extra_args:
         return flat or None
     entry = extra_args[CONFIG_KEY]
+    where = f'extra_args["{CONFIG_KEY}"]'
     if not isinstance(entry, dict):
-        raise ValueError(f'extra_args["{CONFIG_KEY}"] must be an object like {{"policy": "threshold@0.2"}}, '
-                         f"got {entry!r}")
+        raise RequestSettingError(where, f'must be an object like {{"policy": "threshold@0.2"}}, got {_shown(entry)}')
     if flat:
-        raise ValueError(f'give pad\'s request settings either as extra_args["{CONFIG_KEY}"] or as '
-                         f"{', '.join(CONFIG_KEY + '_' + k for k in flat)}, not both")
+        raise RequestSettingError(where, f"give pad's request settings either as {where} or as "
+                                         f"{', '.join(CONFIG_KEY + '_' + k for k in flat)}, not both")
     return entry
 
 
+def setting_name(extra_args, key: str) -> str:
+    """How a request named its pad setting ``key``: ``pad_KEY`` (flat, as ``vllm_xargs`` sends it) or
+    ``extra_args["pad"]["KEY"]``."""
+    nested = isinstance(extra_args, dict) and isinstance(extra_args.get(CONFIG_KEY), dict)
+    return f'extra_args["{CONFIG_KEY}"]["{key}"]' if nested else f"{CONFIG_KEY}_{key}"
+
+
 def _exact_prefix(value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"exact_prefix must be an integer >= 0, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_EXACT_PREFIX:
+        raise ValueError(f"exact_prefix must be an integer in [0, {MAX_EXACT_PREFIX}], got {_shown(value)}")
     return value
 
 
 def _judge_free(value) -> bool:
     # 1 and 0 too: the OpenAI API's vllm_xargs takes no booleans, and JSON's true arrives as 1
-    if isinstance(value, float) or value not in (0, 1):
-        raise ValueError(f"judge_free must be true or false, got {value!r}")
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise ValueError(f"judge_free must be true or false, got {_shown(value)}")
     return bool(value)
 
 
@@ -212,38 +245,54 @@ def request_judge_free(config: "ServingConfig | None", params) -> bool:
 
 def request_policy(config: "ServingConfig | None", params) -> Policy | None:
     """The policy deciding the drafts of a request with ``SamplingParams`` ``params``: its own
-    (``request_settings``: keys ``REQUEST_KEYS``) over the engine's ``config``. Raises ValueError, naming
-    the setting, for what this engine cannot serve: checked when the request arrives, so a bad request fails
-    alone and the engine goes on. None when neither the engine nor the request configures pad."""
-    settings = request_settings(getattr(params, "extra_args", None))
+    (``request_settings``: keys ``REQUEST_KEYS``) over the engine's ``config``. Raises ``RequestSettingError``
+    (a ValueError), naming the setting as the request sent it, for anything this engine cannot serve, of any
+    type: checked when the request arrives, so a bad request fails alone and the engine goes on. None when
+    neither the engine nor the request configures pad."""
+    extra_args = getattr(params, "extra_args", None)
+    settings = request_settings(extra_args)
+
+    def refuse(key: str, message: str):
+        raise RequestSettingError(setting_name(extra_args, key), message)
+
     if settings is not None:
-        unknown = sorted(set(settings) - set(REQUEST_KEYS))
+        unknown = sorted((k for k in settings if k not in REQUEST_KEYS), key=str)
         if unknown:
-            raise ValueError(f"unknown pad request setting(s) {', '.join(unknown)}; a request may set "
-                             f"{', '.join(REQUEST_KEYS)} (the classifier, floor and backend are the engine's)")
+            refuse(str(unknown[0]), f"unknown pad request setting; a request may set {', '.join(REQUEST_KEYS)} "
+                                    "(the classifier, floor and backend are the engine's)")
         if config is None:
-            raise ValueError("this engine has no pad configuration: start it with additional_config "
-                             '{"pad": {"policy": ...}} to let requests choose a policy')
+            refuse(next(iter(settings)), "this engine has no pad configuration: start it with additional_config "
+                                         '{"pad": {"policy": ...}} to let requests choose a policy')
         if config.policy.name == "exact":
-            raise ValueError("this engine's pad policy is exact, which leaves vLLM's rejection sampling as it "
-                             "is: start it with a relaxed policy to let requests choose theirs")
+            refuse(next(iter(settings)), "this engine's pad policy is exact, which leaves vLLM's rejection "
+                                         "sampling as it is: start it with a relaxed policy to let requests choose")
     if config is None:
         return None
+    settings = settings or {}
     policy = config.policy
-    if settings is not None and "exact_prefix" in settings:
-        _exact_prefix(settings["exact_prefix"])
-    if settings is not None and "policy" in settings:
+    for key, check in (("exact_prefix", _exact_prefix), ("judge_free", _judge_free), ("policy", served_policy)):
+        if key in settings:
+            try:
+                check(settings[key])
+            except ValueError as e:
+                refuse(key, str(e))
+    if "policy" in settings:
         policy = served_policy(settings["policy"])
         if policy.name == "pivot" and config.classifier is None:
-            raise ValueError('policy pivot needs the engine\'s classifier: start the engine with "classifier" in '
+            refuse("policy", 'policy pivot needs the engine\'s classifier: start the engine with "classifier" in '
                              "its pad configuration")
-    if settings is not None and _judge_free(settings.get("judge_free", False)) and policy.name != "pivot":
-        raise ValueError(f"judge_free is read by pivot's classifier, and this request's policy is {policy}")
-    if policy.rule.name not in SAMPLING_RULES and getattr(params, "temperature", 0.0) >= SAMPLING_EPS:
-        raise ValueError(f"pad's {policy} decides greedy requests only (FLy's 'matches the target' is a greedy "
+    if _judge_free(settings.get("judge_free", False)) and policy.name != "pivot":
+        refuse("judge_free", f"judge_free is read by pivot's classifier, and this request's policy is {policy}")
+    if policy.rule.name not in SAMPLING_RULES and _temperature(params) >= SAMPLING_EPS:
+        refuse("policy", f"pad's {policy} decides greedy requests only (FLy's 'matches the target' is a greedy "
                          "notion), and this request samples (temperature > 0): send it with temperature 0 or "
                          "with another policy (extra_args {\"pad\": {\"policy\": ...}})")
     return policy
+
+
+def _temperature(params) -> float:
+    t = getattr(params, "temperature", 0.0)
+    return float(t) if isinstance(t, (int, float)) else 0.0
 
 
 def _resolve(module: str, attribute: str):
@@ -320,10 +369,13 @@ def _wrap_validate_params(validate):
         if hasattr(params, "extra_args") and hasattr(params, "temperature"):  # SamplingParams, not pooling
             try:
                 request_policy(ServingConfig.parse(getattr(self.vllm_config, "additional_config", None)), params)
-            except ValueError as e:
+            except Exception as e:  # anything a request sends is refused here, never raised mid-flight
                 from vllm.exceptions import VLLMValidationError
 
-                raise VLLMValidationError(str(e), parameter="extra_args") from e
+                key = e.key if isinstance(e, RequestSettingError) else "extra_args"
+                message = str(e) if isinstance(e, RequestSettingError) else \
+                    f"extra_args: pad could not read this request's settings ({type(e).__name__}: {_shown(str(e))})"
+                raise VLLMValidationError(message, parameter=key) from e
         return out
 
     validate_params._pad_wrapped = True
@@ -393,6 +445,7 @@ class Acceptance:
     runner: object = None
     fix_expand: bool = False  # vLLM's expand_batch_to_tokens is broken here: see vllm_expand_is_broken
     free_drafts: bool = False  # the engine's speculator proposes without a draft model (FREE_SPECULATORS)
+    relaxed_decisions_skipped: int = 0  # steps whose pad decision failed and vLLM's exact rule decided: see skip
     _requests: dict = field(default_factory=dict)  # req_id -> (policy, greedy, exact_prefix, judge_free)
 
     @property
@@ -405,7 +458,23 @@ class Acceptance:
         under pivot on a draft-free speculator without ``judge_free``, every draft (``EVERY_DRAFT``)."""
         if policy.name == "pivot" and self.free_drafts and not judge_free:
             return EVERY_DRAFT
-        return prefix_left
+        return min(prefix_left, EVERY_DRAFT)
+
+    def skip(self, error: BaseException) -> None:
+        """Count and log a step whose pad decision raised ``error`` (vLLM's exact rule decided it instead): one
+        record per step with its request ids and their policies, the traceback with the first."""
+        self.relaxed_decisions_skipped += 1
+        try:
+            from vllm.logger import init_logger
+
+            ids = list(self.runner.input_batch.req_ids) if self.runner is not None else []
+            policies = [str(self._requests[r][0]) if r in self._requests else "?" for r in ids]
+            init_logger("vllm.pad").error(
+                "pad: deciding a step failed (%s: %s); vLLM's own rejection sampling (the exact rule) decided it; "
+                "requests %s, policies %s; %d step(s) so far", type(error).__name__, _shown(str(error), 300),
+                ids, policies, self.relaxed_decisions_skipped, exc_info=self.relaxed_decisions_skipped == 1)
+        except Exception:  # noqa: BLE001 - a failing log must not stop the engine either
+            pass
 
     def requests(self, B: int) -> list[tuple[Policy, bool, int]] | None:
         """(policy, greedy, draft positions decided exactly) of each of the step's B requests in the batch's
@@ -451,9 +520,13 @@ def install(runner, config: ServingConfig) -> None:
                          "'{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 8}')")
     if getattr(sampler, "_pad", None) is not None:
         return
-    if getattr(runner.vllm_config.speculative_config, "rejection_sample_method", None) == "fly":  # vLLM 0.33
+    method = getattr(runner.vllm_config.speculative_config, "rejection_sample_method", None)
+    if method == "fly":  # vLLM 0.33
         raise ValueError("pad's policy and vLLM's native FLy (rejection_sample_method fly) both decide acceptance: "
                          "drop one (pad's fly@GATE,WINDOW is FLy as a pad policy)")
+    if method == "synthetic" or getattr(sampler, "synthetic_mode", False):  # refused here, not at every step
+        raise ValueError("pad's acceptance and vLLM's synthetic acceptance rates (rejection_sample_method "
+                         "synthetic) exclude each other: drop one")
     from pad_kernels import resolve_backend
 
     resolve_backend(config.backend, runner.device)  # a backend this device lacks fails here, not mid-request
@@ -519,7 +592,21 @@ def _dispatch(*args, **kwargs):
     active = _ACTIVE.get()
     if active is None:
         return _vllm_own("rejection_sample")(*args, **kwargs)
-    return pad_rejection_sample(*active, *args, **kwargs)
+    return decide_step(*active, *args, **kwargs)
+
+
+def decide_step(acceptance: Acceptance, metadata, *args, **kwargs) -> torch.Tensor:
+    """What an installed sampler's ``rejection_sample`` runs (arguments as vLLM's): ``pad_rejection_sample``,
+    guarded. The serving invariant: whatever pad's decision raises, the step is decided by vLLM's own
+    rejection sampling (the exact rule, lossless), and the failure is counted (``relaxed_decisions_skipped``)
+    and logged, so no request and no fault of pad's can stop the engine. (Random draws pad made before
+    failing are not given back: a seeded request's later tokens may then differ from another run's; their
+    distribution does not.)"""
+    try:
+        return pad_rejection_sample(acceptance, metadata, *args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any fault: the step goes to the exact rule
+        acceptance.skip(error)
+        return _vllm_own("rejection_sample")(*args, **kwargs)
 
 
 def _dispatch_expand(*args, **kwargs):
@@ -585,10 +672,10 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
         config = acceptance.config
         requests = [(config.policy, None, acceptance.exact_until(config.policy, 0, config.judge_free))] * B
     sampled_step = not sampling_metadata.all_greedy
-    for policy, _, _ in requests:
-        if sampled_step and policy.rule.name not in SAMPLING_RULES:  # refused as requests arrive: a safeguard
+    for policy, greedy, _ in requests:  # per request: a greedy fly request may share a step with sampled ones
+        if policy.rule.name not in SAMPLING_RULES and (greedy is False or (greedy is None and sampled_step)):
             raise ValueError(f"pad's {policy} policy decides greedy requests only, and this step has a sampled "
-                             "request (temperature > 0)")
+                             "request under it (temperature > 0; refused as requests arrive: a safeguard)")
     drafts = draft_token_ids.long()
     # The op's packed layout, from the draft counts alone: each request's draft rows (target_logits holds
     # them request by request), then its bonus row, zeros (the bonus token is vLLM's, sampled with its own
