@@ -28,6 +28,19 @@ def _cases():
     yield "judge-free-threshold", {"pad_policy": "threshold@0.2", "pad_judge_free": 1}, 0.0, "pad_judge_free"
 
 
+def refused_by_vllm_itself(extra_args) -> bool:
+    """Whether vLLM refuses the setting before pad reads it: ``SamplingParams`` takes no integer outside 64 bits
+    in ``extra_args`` (its MessagePack transport), a 400 naming ``extra_args`` rather than the key."""
+    values = list(extra_args.values())
+    while values:
+        v = values.pop()
+        if isinstance(v, dict):
+            values.extend(v.values())
+        elif isinstance(v, int) and not -(2**63) <= v < 2**64:
+            return True
+    return False
+
+
 # The engine the cases are refused by: pivot with a classifier (so judge_free and pivot are servable).
 ENGINE = {"pad": {"policy": "pivot@0.3", "classifier": "shipped"}}
 BAD_SETTINGS = list(_cases())

@@ -6,6 +6,9 @@ Usage: python engine_runs.py SPEC.json OUT.json. Engines start in one process be
 {more SamplingParams}, "engine": {...}, "dump_hidden": path, "extra_args": [per prompt], "bad_requests":
 [{"extra_args", "temperature"}], "record_drafts": bool, "reuse": bool}]}.
 ``record_drafts``: the drafts each request was given, as [prompt index, context length, drafts] per step;
+``fault``: a fault planted in pad's decision, at every step ("every") or at the run's N-th step (N, from 1):
+the result's "skipped" counts the steps the plugin's guard gave to vLLM's own rejection sampling, and
+"faulted" holds, per faulted step, [the rows the engine used, vLLM's own rejection sampling of that step];
 ``reuse``: the run decodes on the previous run's engine (its engine keys unread); counts are the run's own.
 ``compiled_graphs``: torch.compile's graphs so far in this process (the worker's, in one process).
 """
@@ -49,6 +52,37 @@ def record_drafts(prompts: list[list[int]], into: list) -> None:
     plugin.pad_rejection_sample = recording
 
 
+def plant_fault(fault, faulted: list) -> None:
+    """Make pad's decision raise at every step or at the N-th; note what the guarded step returned beside what
+    vLLM's own rejection sampling returns on the same arguments (greedy: deterministic)."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    decide, guarded, own, calls = plugin.pad_rejection_sample, plugin.decide_step, rs.rejection_sample, [0]
+
+    def faulty(*args, **kwargs):
+        if fault == "every" or calls[0] == fault:
+            raise RuntimeError("a fault planted by the test")
+        return decide(*args, **kwargs)
+
+    def watched(acceptance, metadata, *args, **kwargs):
+        calls[0] += 1
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        out = guarded(acceptance, metadata, *args, **kwargs)
+        if fault == "every" or calls[0] == fault:
+            faulted.append([out.tolist(), own(*copies, **kwargs).tolist()])
+        return out
+
+    plugin.pad_rejection_sample, plugin.decide_step = faulty, watched
+
+
+def skipped(llm) -> int | None:
+    try:
+        acceptance = getattr(vllm_engine.runner(llm).rejection_sampler, "_pad", None)
+    except RuntimeError:
+        return None
+    return acceptance.relaxed_decisions_skipped if acceptance is not None else None
+
+
 def relaxed_accepted(llm) -> int | None:
     try:
         acceptance = getattr(vllm_engine.runner(llm).rejection_sampler, "_pad", None)
@@ -77,16 +111,20 @@ def main(spec_path, out_path):
             except Exception as e:  # noqa: BLE001 - what vLLM raises is the result
                 refused.append(f"{type(e).__name__}: {e}")
         counts, relaxed = vllm_engine.speculation_counts(llm), relaxed_accepted(llm)
-        recorded, decide = [], plugin.pad_rejection_sample
+        recorded, faulted, decide, guarded, skipped_before = [], [], plugin.pad_rejection_sample, plugin.decide_step, \
+            skipped(llm)
         if run.get("record_drafts"):
             record_drafts(run["prompts"], recorded)
+        if run.get("fault") is not None:
+            plant_fault(run["fault"], faulted)
         tokens = vllm_engine.generate(llm, run["prompts"], max_tokens=run["max_tokens"],
                                       temperature=run.get("temperature", 0.0), seed=run.get("seed"), ignore_eos=True,
                                       extra_args=run.get("extra_args"), **run.get("sampling", {}))
-        plugin.pad_rejection_sample = decide
+        plugin.pad_rejection_sample, plugin.decide_step = decide, guarded
         result = {"tokens": tokens, "counts": vars(vllm_engine.speculation_counts(llm) - counts),
                   "stock": stock(llm), "refused": refused, "drafts": recorded,
                   "relaxed_accepted": None if relaxed is None else relaxed_accepted(llm) - relaxed,
+                  "skipped": None if skipped_before is None else skipped(llm) - skipped_before, "faulted": faulted,
                   "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
         if run.get("dump_hidden"):
             capture = vllm_engine.runner(llm).rejection_sampler._pad.capture

@@ -160,6 +160,25 @@ def test_pivot_compiled(tiny, tmp_path):
     assert got["relaxed_accepted"] > 0
 
 
+def test_a_fault_in_pads_decision_leaves_the_engine_serving(tiny, tmp_path):
+    """The guard: a fault planted in pad's decision of one step leaves that step to vLLM's own rejection sampling
+    (the rows the engine used are vLLM's own on the same arguments), counts it once, and the engine goes on;
+    planted in every step, the engine decodes the target's greedy tokens (the exact rule throughout), and after
+    it, on the same engine, pad decides again."""
+    policy = "threshold@0.05"
+    base = {"draft": tiny["right"], "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "pad": pad_config(policy, tiny)}
+    runs = [{**base, "fault": 2}, {**base, "fault": "every", "reuse": True}, {**base, "reuse": True}]
+    once, every, after = run_engines({"target": tiny["target"], "k": K, "runs": runs}, tmp_path)
+    assert once["skipped"] == 1 and len(once["faulted"]) == 1
+    used, exact = once["faulted"][0]
+    assert used == exact
+    assert len(once["tokens"]) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in once["tokens"])
+    assert every["skipped"] == len(every["faulted"]) > 0 and all(u == e for u, e in every["faulted"])
+    assert every["tokens"] == pad_tokens(tiny, "right", "exact") and every["relaxed_accepted"] == 0
+    assert after["skipped"] == 0 and after["tokens"] == pad_tokens(tiny, "right", policy)
+    assert after["relaxed_accepted"] > 0
+
+
 def test_bad_configuration_stops_the_engine(tiny, tmp_path):
     """Refused when the engine loads its model (the configuration's own checks: tests/test_serving_config.py)."""
     run = {"draft": None, "prompts": [[5, 6]], "max_tokens": 2, "pad": pad_config("threshold@0.2", tiny)}
