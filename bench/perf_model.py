@@ -38,7 +38,7 @@ V = 151936
 # sum, the divergence's cross term in fp32, the sum in fp64, argmax and rank in int64; CUDA: pad::RowStats,
 # its sums in fp64) and logits in flight per stats program.
 BACKENDS = {"triton": dict(state_bytes=7 * 4 + 3 * 8, chunk=1024), "cuda": dict(state_bytes=56, chunk=8 * 256)}
-PLAIN_STATS = "SCALED=False, HAS_DRAFT=False, RANKED=False"  # greedy, no draft logits, no rank: the model's case
+PLAIN_STATS = "SCALED=False, HAS_DRAFT=False, RANKED=False, HAS_ROWS=False, HAS_RR=False"  # greedy, no draft logits, no rank: the model's case
 
 
 def resident(r: dict) -> int:
@@ -82,7 +82,8 @@ def resources_table() -> dict:
 
     out = {}
     for name, kernel, sig, constexprs in jobs():
-        plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False" in name
+        plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False, HAS_ROWS=False, " \
+                       "HAS_RR=False" in name
         if ("bf16" in name or "fp32" in name) and ((name.startswith("split_stats_kernel[") and PLAIN_STATS in name) or plain_accept):
             out[name] = resources(compile_kernel(kernel, sig, constexprs, 90))
     for name, r in cuda_resources(90).items():
@@ -111,7 +112,7 @@ def main() -> None:
                 if backend == "triton":
                     res = {"stats": table[f"split_stats_kernel[{dtype}, {PLAIN_STATS}]"],
                            "accept": table[f"accept_kernel[{dtype}, HAS_CLF=False, SAMPLING=False, HAS_ND=False, "
-                                           "RULE=exact, HAS_DRAFT=False]"]}
+                                           "RULE=exact, HAS_DRAFT=False, HAS_ROWS=False, HAS_RR=False]"]}
                 else:
                     res = {"stats": table[f"split_stats_kernel[{dtype}]"], "accept": table[f"accept_kernel[{dtype}, {dtype}]"]}
                 for B in (1, 8, 32):

@@ -54,15 +54,19 @@ def verify_block_cpu(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
     draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
+    row_rules: torch.Tensor | None = None,  # [B, 6] fp32
+    logit_rows: torch.Tensor | None = None,  # [B, K+1] int64 (target_logits, draft_probs: [R, V])
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
-    B, K1, _ = target_logits.shape
-    out = out if out is not None else empty_result(B, K1 - 1, target_logits.device)
+    B, K = draft_tokens.shape
+    out = out if out is not None else empty_result(B, K, target_logits.device)
     hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
                                                       exponentials, target_logits.device)
     extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
                                  sigma, floor, temperature, *draws, rule.code, rule.a, rule.b,
                                  None if num_drafts is None else num_drafts.contiguous(),
-                                 None if draft_logits is None else draft_logits.contiguous(), *out)
+                                 None if draft_logits is None else draft_logits.contiguous(),
+                                 None if row_rules is None else row_rules.contiguous(),
+                                 None if logit_rows is None else logit_rows.contiguous(), *out)
     return out

@@ -22,8 +22,9 @@ def available() -> bool:
 
 
 def _run(ext_fn, target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature, draft_probs, uniforms,
-         exponentials, rule, num_drafts, draft_logits, out, sms, splits, *extra):
-    B, K1, V = target_logits.shape
+         exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows, out, sms, splits, *extra):
+    (B, K), V = draft_tokens.shape, target_logits.shape[-1]
+    K1 = K + 1
     dev = target_logits.device
     out = out if out is not None else empty_result(B, K1 - 1, dev)
     # Slices per position (kernels 1-2: B(K+1) positions) and per row (the sampling draw: B positions).
@@ -32,7 +33,10 @@ def _run(ext_fn, target_logits, draft_tokens, hidden, classifier, sigma, floor, 
                                                       exponentials, dev)
     ext_fn(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2, sigma, floor, temperature,
            *draws, rule.code, rule.a, rule.b, None if num_drafts is None else num_drafts.contiguous(),
-           None if draft_logits is None else draft_logits.contiguous(), *out, *plan, *extra)
+           None if draft_logits is None else draft_logits.contiguous(),
+           None if row_rules is None else row_rules.contiguous(),
+           None if logit_rows is None else logit_rows.contiguous(),
+           *out, *plan, *extra)
     return out
 
 
@@ -51,14 +55,16 @@ def verify_block_cuda(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
     draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
+    row_rules: torch.Tensor | None = None,  # [B, 6] fp32
+    logit_rows: torch.Tensor | None = None,  # [B, K+1] int64 (target_logits, draft_probs: [R, V])
     out: VerifyResult | None = None,
     splits: int | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given. ``splits``: vocabulary
     slices per position and per sampling draw (default: enough to fill the GPU, ``split_plan``)."""
     return _run(extension().verify_block_out, target_logits, draft_tokens, hidden, classifier, sigma, floor,
-                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, out,
-                sm_count(target_logits.device), splits)
+                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows,
+                out, sm_count(target_logits.device), splits)
 
 
 def emulate_cuda(
@@ -76,6 +82,8 @@ def emulate_cuda(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,
     draft_logits: torch.Tensor | None = None,
+    row_rules: torch.Tensor | None = None,
+    logit_rows: torch.Tensor | None = None,
     out: VerifyResult | None = None,
     splits: int | None = None,
     sms: int = H100_SMS,
@@ -88,5 +96,5 @@ def emulate_cuda(
     from . import cpu
 
     return _run(cpu.extension().emulate_cuda_verify, target_logits, draft_tokens, hidden, classifier, sigma, floor,
-                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, out, sms, splits,
-                threads)
+                temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows,
+                out, sms, splits, threads)

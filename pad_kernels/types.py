@@ -90,6 +90,29 @@ class AcceptRule(NamedTuple):
 
 
 RULES = ("exact", "typical", "threshold", "fly", "kl", "topk")  # order = the kernels' rule codes
+
+# Columns of ``row_rules`` [B, 6] fp32: each row's own acceptance (see ``pack_row_rules``).
+ROW_RULE_COLUMNS = ("rule", "a", "b", "sigma", "exact_until", "sampled")
+
+
+def pack_row_rules(rules, sigmas, exact_until, sampled, device=None) -> torch.Tensor:
+    """Per-row acceptance for ``verify_block(..., row_rules=...)``: row b is decided as a block of its own
+    with ``rule=rules[b]`` (an ``AcceptRule``), ``sigma=sigmas[b]`` (0: the classifier overrides nothing),
+    its first ``exact_until[b]`` draft positions by the exact rule alone (``exact_prefix``), and the exact
+    test of rejection sampling (``sampled[b]``, the call's temperature > 0) or of greedy decoding. Lists of
+    B entries -> [B, 6] fp32 in ``ROW_RULE_COLUMNS`` order (positions past K count as K + 1, so fp32 holds
+    them exactly)."""
+    if not (len(rules) == len(sigmas) == len(exact_until) == len(sampled)):
+        raise ValueError("row_rules needs one rule, sigma, exact_until and sampled per row")
+    rows = [[RULES.index(r.name), r.a, r.b, s, min(int(u), 1 << 20), float(bool(t))]
+            for r, s, u, t in zip(rules, sigmas, exact_until, sampled)]
+    return torch.tensor(rows, dtype=torch.float32, device=device).reshape(len(rows), len(ROW_RULE_COLUMNS))
+
+
+def rule_of_row(row_rules: torch.Tensor, b: int) -> tuple[AcceptRule, float, int, bool]:
+    """Row b of ``row_rules`` [B, 6] as (rule, sigma, exact_until, sampled) (the reference's reading)."""
+    code, a, rb, sigma, until, sampled = row_rules[b].tolist()
+    return AcceptRule(RULES[int(code)], a, rb), sigma, int(until), bool(sampled)
 SAMPLING_RULES = ("exact", "typical", "threshold", "kl", "topk")  # fly's "matches the target" is a greedy notion
 
 

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from .types import (FEATURE_NAMES, RULES, SAMPLING_RULES, AcceptRule, FoldedClassifier, VerifyResult, Workspace,
-                    empty_result)
+from .types import (FEATURE_NAMES, ROW_RULE_COLUMNS, RULES, SAMPLING_RULES, AcceptRule, FoldedClassifier,
+                    VerifyResult, Workspace, empty_result)
 from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
@@ -185,6 +185,8 @@ def verify_block(
     draft_logits: torch.Tensor | None = None,  # [B, K, V] the draft's logits (dtype of target_logits)
     backend: str | None = None,
     out: VerifyResult | Workspace | None = None,
+    row_rules: torch.Tensor | None = None,  # [B, 6] fp32 (pack_row_rules): each row's rule, sigma, prefix, kind
+    logit_rows: torch.Tensor | None = None,  # [B, K+1] int64: target_logits [R, V] read by row index; -1: none
 ) -> VerifyResult:
     """Verify one block of draft tokens against the target's logits.
 
@@ -199,20 +201,35 @@ def verify_block(
     ``K = 0`` is allowed: it only picks the next token (autoregressive decoding); so is ``B = 0`` (empty results).
     ``out``: caller-owned outputs to write (contiguous, the shapes and dtypes of ``VerifyResult`` on the logits'
     device), or a ``Workspace`` to take them from; nothing is allocated for the outputs then.
+    ``row_rules`` (``pack_row_rules``): each row decided with its own rule, sigma, exact prefix and exact test
+    (greedy or sampled; sampled rows need temperature > 0) in place of ``rule`` and ``sigma``: one call for a
+    batch whose requests choose different policies. ``logit_rows``: ``target_logits`` is [R, V] (and
+    ``draft_probs``, when sampling, [R, V] the same way) and position (b, i) reads row ``logit_rows[b, i]``, -1
+    where it has none (allowed only at or past the row's own drafts: see ``verify_block_ref``), so a serving
+    engine's packed logits are read where they lie, without a copy.
     """
+    B, K = draft_tokens.shape if draft_tokens.dim() == 2 else (-1, -1)
+    checked_logits, checked_probs = target_logits, draft_probs
+    if logit_rows is not None:
+        _check_logit_rows(logit_rows, target_logits, draft_tokens, draft_probs, draft_logits, num_drafts)
+        # Shape checks below see the block as it will be read: zero-stride views, nothing copied.
+        checked_logits = target_logits[0].expand(B, K + 1, target_logits.shape[1])
+        checked_probs = draft_probs[0].expand(B, K, draft_probs.shape[1]) if draft_probs is not None else None
     if temperature > 0:
-        B, K1, V = target_logits.shape
+        V = checked_logits.shape[-1]
         if uniforms is None:
-            uniforms = torch.rand(B, K1 - 1, device=target_logits.device)
+            uniforms = torch.rand(checked_logits.shape[0], checked_logits.shape[1] - 1, device=target_logits.device)
         if exponentials is None:
-            exponentials = torch.empty(B, V, device=target_logits.device).exponential_()
-    _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
-                  draft_probs, uniforms, exponentials, draft_logits)
+            exponentials = torch.empty(checked_logits.shape[0], V, device=target_logits.device).exponential_()
+    _check_inputs(checked_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
+                  checked_probs, uniforms, exponentials, draft_logits)
     check_rule(rule, temperature)
+    if row_rules is not None:
+        _check_row_rules(row_rules, checked_logits.shape[0], temperature)
     if rule.needs_draft_logits and draft_logits is None:
         raise ValueError(f"the {rule.name} rule reads the draft's distribution: pass draft_logits [B, K, V]")
     if num_drafts is not None:
-        B, K1 = target_logits.shape[:2]
+        B, K1 = checked_logits.shape[:2]
         if num_drafts.shape != (B,) or num_drafts.dtype != torch.int64 or num_drafts.device != target_logits.device:
             raise ValueError(f"num_drafts must be int64 [B] = [{B}] on {target_logits.device}, got "
                              f"{num_drafts.dtype} {tuple(num_drafts.shape)} on {num_drafts.device}")
@@ -222,21 +239,67 @@ def verify_block(
             raise ValueError(f"num_drafts must lie in [0, {K1 - 1}]")
     w1, b1, w2, b2 = classifier if classifier is not None else (None, None, None, None)
     if out is not None:
-        B, K1 = target_logits.shape[:2]
+        B, K1 = checked_logits.shape[:2]
         out = _check_out(out.result(B, K1 - 1) if isinstance(out, Workspace) else out, B, K1 - 1,
                          target_logits.device)
         verify_block_out_op(
             target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
             float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
-            float(rule.b), num_drafts, draft_logits, resolve_backend(backend, target_logits.device), *out,
+            float(rule.b), num_drafts, draft_logits, row_rules, logit_rows,
+            resolve_backend(backend, target_logits.device), *out,
         )
         return out
     out = verify_block_op(
         target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
         float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
-        float(rule.b), num_drafts, draft_logits, resolve_backend(backend, target_logits.device),
+        float(rule.b), num_drafts, draft_logits, row_rules, logit_rows, resolve_backend(backend, target_logits.device),
     )
     return VerifyResult(*out)
+
+
+def _check_row_rules(row_rules, B: int, temperature: float) -> None:
+    """Shape, dtype, and on CPU tensors each row's settings (``check_rule``, sigma in [0, 1])."""
+    if row_rules.shape != (B, len(ROW_RULE_COLUMNS)) or row_rules.dtype != torch.float32:
+        raise ValueError(f"row_rules must be fp32 [B, {len(ROW_RULE_COLUMNS)}] = [{B}, {len(ROW_RULE_COLUMNS)}] "
+                         f"(pack_row_rules), got {row_rules.dtype} {tuple(row_rules.shape)}")
+    if row_rules.device.type != "cpu" or torch.compiler.is_compiling():
+        return  # a GPU check would sync the host: pack_row_rules builds them checked
+    from .types import rule_of_row
+
+    for b in range(B):
+        code = row_rules[b, 0].item()
+        if code != int(code) or not 0 <= code < len(RULES):
+            raise ValueError(f"row_rules[{b}] has no rule code {code}")
+        rule, sigma, until, sampled = rule_of_row(row_rules, b)
+        check_rule(rule, temperature if sampled else 0.0)
+        _check_unit(f"row_rules[{b}] sigma", sigma)
+        if until < 0 or (sampled and not temperature > 0):
+            raise ValueError(f"row_rules[{b}]: exact_until must be >= 0, and a sampled row needs temperature > 0")
+
+
+def _check_logit_rows(logit_rows, target_logits, draft_tokens, draft_probs, draft_logits, num_drafts) -> None:
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
+    B, K = draft_tokens.shape
+    if target_logits.dim() != 2 or target_logits.shape[0] < 1:
+        raise ValueError(f"with logit_rows, target_logits must be [R, V] (R >= 1), got {tuple(target_logits.shape)}")
+    if logit_rows.shape != (B, K + 1) or logit_rows.dtype != torch.int64 or logit_rows.device != target_logits.device:
+        raise ValueError(f"logit_rows must be int64 [B, K+1] = [{B}, {K + 1}] on {target_logits.device}, got "
+                         f"{logit_rows.dtype} {tuple(logit_rows.shape)} on {logit_rows.device}")
+    if draft_probs is not None and (draft_probs.dim() != 2 or draft_probs.shape != target_logits.shape):
+        raise ValueError(f"with logit_rows, draft_probs must be [R, V] like target_logits, got "
+                         f"{tuple(draft_probs.shape)}")
+    if draft_logits is not None:
+        raise ValueError("draft_logits cannot be read by logit_rows: pass the [B, K+1, V] block instead")
+    # Checked on the host for CPU tensors only (a GPU check would sync): the kernels read rows as given.
+    if logit_rows.device.type == "cpu" and B and not torch.compiler.is_compiling():
+        R = target_logits.shape[0]
+        if logit_rows.min() < -1 or logit_rows.max() >= R:
+            raise ValueError(f"logit_rows must lie in [-1, {R})")
+        own = num_drafts if num_drafts is not None else torch.full((B,), K, dtype=torch.int64)
+        if (logit_rows[:, :K] < 0).logical_and(torch.arange(K)[None] < own[:, None]).any():
+            raise ValueError("every draft position of a row's own drafts needs a row of logits (-1 is allowed "
+                             "only at or past num_drafts)")
 
 
 def _check_out(out, B: int, K: int, device) -> VerifyResult:
@@ -261,7 +324,7 @@ def verify_block_op(
     b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
     temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
     exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
-    draft_logits: Optional[Tensor], backend: str,
+    draft_logits: Optional[Tensor], row_rules: Optional[Tensor], logit_rows: Optional[Tensor], backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``verify_block`` as a registered op (``torch.ops.pad_kernels.verify_block``) for torch.compile and
     CUDA graphs; arguments are checked by ``verify_block``, outputs in ``VerifyResult`` order."""
@@ -270,14 +333,16 @@ def verify_block_op(
         target_logits, draft_tokens, hidden, classifier, sigma=sigma, floor=floor, temperature=temperature,
         draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
         rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts, draft_logits=draft_logits,
+        row_rules=row_rules, logit_rows=logit_rows,
     ))
 
 
 @verify_block_op.register_fake
 def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigma, floor, temperature,
-                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, draft_logits, backend):
-    B, K1, _ = target_logits.shape
-    return tuple(empty_result(B, K1 - 1, target_logits.device))
+                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, draft_logits, row_rules,
+                       logit_rows, backend):
+    B, K = draft_tokens.shape
+    return tuple(empty_result(B, K, target_logits.device))
 
 
 @torch.library.custom_op("pad_kernels::verify_block_out", mutates_args=VerifyResult._fields)
@@ -286,7 +351,7 @@ def verify_block_out_op(
     b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
     temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
     exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
-    draft_logits: Optional[Tensor], backend: str,
+    draft_logits: Optional[Tensor], row_rules: Optional[Tensor], logit_rows: Optional[Tensor], backend: str,
     entropy: Tensor, token_prob: Tensor, argmax: Tensor, pivot_prob: Tensor, accepted: Tensor,
     pivot_accepted: Tensor, num_accepted: Tensor, next_token: Tensor, top3_entropy: Tensor, divergence: Tensor,
 ) -> None:
@@ -297,7 +362,7 @@ def verify_block_out_op(
     classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
     kwargs = dict(sigma=sigma, floor=floor, temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
                   exponentials=exponentials, rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts,
-                  draft_logits=draft_logits)
+                  draft_logits=draft_logits, row_rules=row_rules, logit_rows=logit_rows)
     if backend == "torch":  # the reference allocates its results: copy them over
         for o, r in zip(out, verify_block_ref(target_logits, draft_tokens, hidden, classifier, **kwargs)):
             o.copy_(r)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .types import AcceptRule, FoldedClassifier, VerifyResult
+from .types import AcceptRule, FoldedClassifier, VerifyResult, rule_of_row
 
 # An exponential draw of exactly 0 would turn 0/0 into NaN in the race; clamp it to a tiny positive value.
 MIN_EXPONENTIAL = 1e-30
@@ -117,13 +117,32 @@ def verify_block_ref(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64: row b's own draft length (<= K); None: K
     draft_logits: torch.Tensor | None = None,  # [B, K, V] the draft's logits at its K positions (the kl rule)
+    row_rules: torch.Tensor | None = None,  # [B, 6] fp32: each row's own rule, sigma, exact_until, sampled
+    logit_rows: torch.Tensor | None = None,  # [B, K+1] int64: rows of a 2-D target_logits [R, V]; -1: none
 ) -> VerifyResult:
     """Reference verification of one block; arguments are already validated by ``verify_block``.
+
+    ``logit_rows``: target_logits (and draft_probs) are [R, V] and position (b, i) reads row
+    ``logit_rows[b, i]``; a position without a row (-1, only at or past the row's own drafts) gets entropy,
+    top3_entropy, token_prob and pivot_prob NaN, argmax -1, divergence -1, and the next token is -1 when it
+    would be read there. ``row_rules`` (``pack_row_rules``): each row decided as a block of its own with its
+    settings in place of ``rule`` and ``sigma``: a greedy row of a call with temperature > 0 has the scaled
+    distribution's statistics and the greedy exact test, and its first ``exact_until`` draft positions are
+    decided by the exact rule alone (a row whose exact decision stops inside them takes that decision whole).
 
     A row with ``num_drafts[b] < K`` stopped drafting early: its later positions are never accepted, the
     draft distribution there counts as zero (so the token after its last draft is the bonus token), and
     fly's window must end inside its own drafts. ``divergence`` is KL(p || q) of the temperature-scaled
     target and draft distributions at each draft position (whatever the rule), -1 without ``draft_logits``."""
+    if logit_rows is not None:
+        return _rows_read_by_index(target_logits, draft_tokens, hidden, classifier, logit_rows, sigma=sigma,
+                                   floor=floor, temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
+                                   exponentials=exponentials, rule=rule, num_drafts=num_drafts,
+                                   draft_logits=draft_logits, row_rules=row_rules)
+    if row_rules is not None:
+        return _each_row_alone(target_logits, draft_tokens, hidden, classifier, row_rules, floor=floor,
+                               temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
+                               exponentials=exponentials, num_drafts=num_drafts, draft_logits=draft_logits)
     B, K1, V = target_logits.shape
     K = K1 - 1
     logits = target_logits.float()
@@ -194,3 +213,48 @@ def verify_block_ref(
         top3_entropy=top3_entropy,
         divergence=divergence,
     )
+
+
+def _rows_read_by_index(target_logits, draft_tokens, hidden, classifier, logit_rows, **kwargs) -> VerifyResult:
+    """``logit_rows``: the block gathered row by row, decided, and its positions without a row blanked."""
+    K = draft_tokens.shape[1]
+    present = logit_rows >= 0  # [B, K+1]
+    at = logit_rows.clamp_min(0)
+    if kwargs.get("draft_probs") is not None:
+        kwargs["draft_probs"] = kwargs["draft_probs"][at[:, :K]]
+    res = verify_block_ref(target_logits[at], draft_tokens, hidden, classifier, **kwargs)
+    nan = torch.tensor(float("nan"), device=present.device)
+    missing = ~present[:, :K]
+    next_present = present.gather(1, res.num_accepted[:, None]).squeeze(1)
+    return res._replace(
+        entropy=torch.where(present, res.entropy, nan), top3_entropy=torch.where(present, res.top3_entropy, nan),
+        argmax=res.argmax.masked_fill(~present, -1), token_prob=res.token_prob.masked_fill(missing, float("nan")),
+        pivot_prob=res.pivot_prob.masked_fill(missing, float("nan")),
+        divergence=res.divergence.masked_fill(missing, -1.0), next_token=res.next_token.masked_fill(~next_present, -1))
+
+
+def _each_row_alone(target_logits, draft_tokens, hidden, classifier, row_rules, *, floor, temperature, draft_probs,
+                    uniforms, exponentials, num_drafts, draft_logits) -> VerifyResult:
+    """``row_rules``: each row as a block of its own under its own settings, results stacked."""
+    parts = []
+    for b in range(target_logits.shape[0]):
+        rule, sigma, until, sampled = rule_of_row(row_rules, b)
+        row = target_logits[b:b + 1]
+        one = dict(hidden=hidden[b:b + 1] if hidden is not None else None, floor=floor,
+                   num_drafts=num_drafts[b:b + 1] if num_drafts is not None else None,
+                   draft_logits=draft_logits[b:b + 1] if draft_logits is not None else None)
+        if temperature > 0 and sampled:
+            one.update(temperature=temperature, draft_probs=draft_probs[b:b + 1], uniforms=uniforms[b:b + 1],
+                       exponentials=exponentials[b:b + 1])
+        elif temperature > 0:  # greedy, with the call's scaled statistics
+            row = row.float() / temperature
+            if one["draft_logits"] is not None:
+                one["draft_logits"] = one["draft_logits"].float() / temperature
+        relaxed = verify_block_ref(row, draft_tokens[b:b + 1], classifier=classifier, sigma=sigma, rule=rule, **one)
+        if until > 0:
+            exact = verify_block_ref(row, draft_tokens[b:b + 1], **{**one, "hidden": None})
+            if int(exact.num_accepted[0]) < until:
+                relaxed = relaxed._replace(accepted=exact.accepted, pivot_accepted=exact.pivot_accepted,
+                                           num_accepted=exact.num_accepted, next_token=exact.next_token)
+        parts.append(relaxed)
+    return VerifyResult(*(torch.cat([getattr(p, name) for p in parts]) for name in VerifyResult._fields))

@@ -14,18 +14,21 @@ def test_triton_kernels_compile_for_sm80_and_sm90():
     proc = subprocess.run([sys.executable, "-m", "pad_kernels.triton.aot", "--arch", "80", "90"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # Per dtype: 8 split-stats kernels (scaled or not, with the draft's logits or not, counting ranks or not),
-    # 2 draw kernels (per-row draft lengths or not) and 52 accept kernels: classifier or not, times per-row
-    # draft lengths or not, times 13 modes (greedy: exact with and without the draft's logits, typical,
-    # threshold, fly, kl, topk; sampling: the same without fly); for 3 dtypes and 2 architectures.
-    assert "372 kernels compiled, none spills" in proc.stdout
+    # Per dtype and architecture: 14 split-stats kernels (scaled or not, with the draft's logits or not, counting
+    # ranks or not: 8; read by row index: 4 more, and with per-row rules 2), 6 draw kernels (per-row draft lengths
+    # or not, times the three layouts: the block, by row index, by row index with per-row rules) and 60 accept
+    # kernels: classifier or not, times per-row draft lengths or not, times 13 modes (greedy: exact with and
+    # without the draft's logits, typical, threshold, fly, kl, topk; sampling: the same without fly); by row
+    # index, with draft lengths, threshold and per-row rules (every rule compiled in), greedy or sampling, with a
+    # classifier or not; for 3 dtypes and 2 architectures.
+    assert "480 kernels compiled, none spills" in proc.stdout
     usage = re.findall(r": cubin \d+ bytes, (\d+) registers, local (\d+) bytes", proc.stdout)
-    assert len(usage) == 372 and all(int(local) == 0 and 0 < int(regs) <= 255 for regs, local in usage)
-    assert proc.stdout.count("sm_80 ") == proc.stdout.count("sm_90 ") == 186
-    for rule, modes in (("exact", 4), ("typical", 2), ("threshold", 2), ("fly", 1), ("kl", 2), ("topk", 2)):
+    assert len(usage) == 480 and all(int(local) == 0 and 0 < int(regs) <= 255 for regs, local in usage)
+    assert proc.stdout.count("sm_80 ") == proc.stdout.count("sm_90 ") == 240
+    for rule, modes in (("exact", 5), ("typical", 2), ("threshold", 3), ("fly", 1), ("kl", 2), ("topk", 2)):
         assert proc.stdout.count(f"RULE={rule},") == 2 * 3 * 4 * modes, rule
-    assert proc.stdout.count("draw_kernel[") == 2 * 3 * 2
-    assert proc.stdout.count("HAS_ND=True") == proc.stdout.count("HAS_ND=False") == 2 * 3 * 27
+    assert proc.stdout.count("draw_kernel[") == 2 * 3 * 6
+    assert proc.stdout.count("HAS_ROWS=True") == 2 * 3 * 18 and proc.stdout.count("HAS_RR=True") == 2 * 3 * 8
     assert proc.stdout.count("HAS_DRAFT=True") == 2 * 3 * (4 + 16)
 
 
@@ -53,8 +56,8 @@ def test_model_predicts_b1_k10_near_the_floor():
     script = Path(__file__).resolve().parents[1] / "bench" / "perf_model.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"\| `split_stats_kernel\[bf16, SCALED=False, HAS_DRAFT=False, RANKED=False\]` \| \d+ \| 0 B \|",
-                     proc.stdout)
+    assert re.search(r"\| `split_stats_kernel\[bf16, SCALED=False, HAS_DRAFT=False, RANKED=False, HAS_ROWS=False, "
+                     r"HAS_RR=False\]` \| \d+ \| 0 B \|", proc.stdout)
     assert re.search(r"\| `split_stats_kernel\[bf16\]` \| \d+ \| 0 B \|", proc.stdout)  # the CUDA kernels' too
     for backend in ("triton", "cuda"):
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {backend} | H100 SXM | bf16 | 1 | 10 |"))

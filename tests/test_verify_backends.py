@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pad_kernels import AcceptRule, FoldedClassifier, available_backends, verify_block_ref
-from pad_kernels.types import empty_result
+from pad_kernels.types import empty_result, pack_row_rules
 
 FUSED = [b for b in available_backends("cpu") if b != "torch"]
 # The CUDA backend's kernels simulated on the CPU, block by block (pad_kernels.cuda.emulate_cuda): no GPU
@@ -36,8 +36,8 @@ def run_backend(backend, *args, **kwargs):
         from pad_kernels.cuda import emulate_cuda as impl
     else:
         raise AssertionError(backend)
-    B, K1 = args[0].shape[:2]
-    out = empty_result(B, K1 - 1, args[0].device)
+    B, K = args[1].shape  # draft_tokens: target_logits may be [R, V] (logit_rows)
+    out = empty_result(B, K, args[0].device)
     for t in out:
         t.fill_(POISON[t.dtype])
     result = impl(*args, **kwargs, out=out)
@@ -220,13 +220,23 @@ def test_registered_op_passes_opcheck(backend, temperature):
     args, kwargs = make_case(2, 3, 50, 16, torch.float32, temperature > 0, seed=3, draft_logits=True)
     logits, drafts, hidden, clf = args
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
-    for rule, num_drafts, draft_logits in ((AcceptRule(), None, None),
-                                           (AcceptRule.typical(), torch.tensor([3, 1]), None),
-                                           (AcceptRule.threshold(0.2), None, None),
-                                           (AcceptRule.kl(0.5), None, kwargs["draft_logits"]),
-                                           (AcceptRule.topk(2, 0.1), torch.tensor([3, 1]), None)):
+    row_rules = pack_row_rules([AcceptRule.topk(2, 0.1), AcceptRule.threshold(0.2)], [0.0, 0.5], [0, 2],
+                               [temperature > 0, False])
+    for rule, num_drafts, draft_logits, rows in ((AcceptRule(), None, None, None),
+                                                 (AcceptRule.typical(), torch.tensor([3, 1]), None, None),
+                                                 (AcceptRule.threshold(0.2), None, None, row_rules),
+                                                 (AcceptRule.kl(0.5), None, kwargs["draft_logits"], None),
+                                                 (AcceptRule.topk(2, 0.1), torch.tensor([3, 1]), None, None)):
         torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws,
-                                                rule.code, rule.a, rule.b, num_drafts, draft_logits, backend))
+                                                rule.code, rule.a, rule.b, num_drafts, draft_logits, rows, None,
+                                                backend))
+    # Logits read by row index: [R, V], rows in another order (every position has one: opcheck compares
+    # outputs without equal_nan, and a position without a row has NaN statistics).
+    flat = logits.reshape(-1, logits.shape[-1])
+    logit_rows = torch.tensor([[7, 6, 5, 4], [3, 2, 1, 0]])
+    flat_draws = [flat.softmax(-1) if temperature > 0 else None, *draws[1:]]
+    torch.library.opcheck(verify_block_op, (flat, drafts, hidden, *clf, 0.5, 1e-4, temperature, *flat_draws, 0, 0.0,
+                                            0.0, None, None, row_rules, logit_rows, backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED])

@@ -59,7 +59,7 @@ def test_out_op_passes_opcheck(backend):
     for rule in (AcceptRule.threshold(0.2), AcceptRule.kl(0.5)):
         torch.library.opcheck(verify_block_out_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, 0.8, *draws, rule.code,
                                                     rule.a, rule.b, torch.tensor([3, 1]), kwargs["draft_logits"],
-                                                    backend, *empty_result(2, 3, "cpu")))
+                                                    None, None, backend, *empty_result(2, 3, "cpu")))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

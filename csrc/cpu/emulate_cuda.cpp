@@ -37,8 +37,9 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
              float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, float* pivot_prob,
              bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token, int64_t B,
              int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_, float temperature,
-             pad::Rule rule, const int64_t* num_drafts, const T* draft_logits, float* divergence, int64_t splits,
-             int64_t split_len, int64_t race_splits, int64_t race_len, int64_t threads) {
+             pad::Rule rule, const int64_t* num_drafts, const T* draft_logits, float* divergence,
+             const float* row_rules, const int64_t* logit_rows, int64_t splits, int64_t split_len,
+             int64_t race_splits, int64_t race_len, int64_t threads) {
   const int64_t K1 = K + 1;
   const bool has_clf = w1 != nullptr, sampling = temperature > 0.0f;
   std::vector<pad::RowStats> parts(B * K1 * splits), lanes(threads);
@@ -46,10 +47,14 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
 
   // Kernel 1: grid (position, slice).
   for (int64_t pos = 0; pos < B * K1; ++pos) {
-    const int64_t b = pos / K1, i = pos % K1;
-    const ScaledLogits<T> x{logits + pos * V, temperature};
+    const int64_t b = pos / K1, i = pos % K1, row = pad::logit_row(logit_rows, b, i, K);
+    if (row < 0) {
+      for (int64_t sp = 0; sp < splits; ++sp) parts[pos * splits + sp] = pad::row_empty();
+      continue;
+    }
+    const ScaledLogits<T> x{logits + row * V, temperature};
     const int64_t d = i < K ? drafts[b * K + i] : -1;
-    const bool ranked = rule.kind == pad::kRuleTopk && pad::in_vocab(d, V);
+    const bool ranked = pad::row_rule(row_rules, b, rule, 0.0f, false).rule.kind == pad::kRuleTopk && pad::in_vocab(d, V);
     const bool has_draft = i < K && draft_logits != nullptr;
     const ScaledLogits<T> y{has_draft ? draft_logits + (b * K + i) * V : nullptr, temperature};
     for (int64_t sp = 0; sp < splits; ++sp) {
@@ -63,15 +68,24 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
   // Kernel 2: one block per row.
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < K1; ++i) {
-      const int64_t pos = b * K1 + i;
+      const int64_t pos = b * K1 + i, row = pad::logit_row(logit_rows, b, i, K);
       for (int64_t t = 0; t < threads; ++t) lanes[t] = pad::thread_slice_stats(&parts[pos * splits], splits, t, threads);
       const pad::RowStats s = stats[pos] = tree(lanes, merge_stats);
+      if (row < 0) {
+        entropy[pos] = top3_entropy[pos] = NAN;
+        argmax[pos] = -1;
+        if (i < K) {
+          token_prob[b * K + i] = NAN;
+          divergence[b * K + i] = -1.0f;
+        }
+        continue;
+      }
       entropy[pos] = pad::row_entropy(s);
       top3_entropy[pos] = pad::row_top3_entropy(s);
       argmax[pos] = s.argmax;
       if (i < K) {
         const int64_t d = drafts[b * K + i];
-        token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + pos * V, temperature}(d)) : NAN;
+        token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + row * V, temperature}(d)) : NAN;
         divergence[b * K + i] = draft_logits != nullptr ? pad::row_divergence(s) : -1.0f;
       }
     }
@@ -105,23 +119,29 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
         pivot_prob[b * K + i0 + p] = pad::sigmoid(tree(sums, [](float x, float y) { return x + y; }) + b2);
       }
     }
-    const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms, sampling,
-                                      has_clf, sigma, floor_, rule, entropy, top3_entropy, stats.data(), divergence,
+    for (int64_t i = 0; i < K; ++i)
+      if (pad::logit_row(logit_rows, b, i, K) < 0) pivot_prob[b * K + i] = NAN;
+    const pad::RowRule rr = pad::row_rule(row_rules, b, rule, sigma, sampling);
+    const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, logit_rows,
+                                      uniforms, has_clf, rr, floor_, entropy, top3_entropy, stats.data(), divergence,
                                       pad::row_drafts(num_drafts, b, K), accepted, pivot_accepted);
     num_accepted[b] = n;
-    if (!sampling) next_token[b] = argmax[b * K1 + n];
+    const int64_t row = pad::logit_row(logit_rows, b, n, K);
+    if (row < 0 || !rr.sampled) next_token[b] = row < 0 ? -1 : argmax[b * K1 + n];
   }
   if (!sampling) return;
 
   // Kernel 3: grid (row, slice); the row's last block merges its slices' races.
   std::vector<pad::Race> race_lanes(threads), race_parts(race_splits);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = num_accepted[b], pos = b * K1 + n;
+    const int64_t n = num_accepted[b], pos = b * K1 + n, row = pad::logit_row(logit_rows, b, n, K);
+    if (row < 0 || (row_rules != nullptr && row_rules[b * 6 + 5] == 0.0f)) continue;  // as draw_kernel
     const pad::RowStats& s = stats[pos];
-    const float* q = n < pad::row_drafts(num_drafts, b, K) ? draft_probs + (b * K + n) * V : nullptr;
+    const int64_t q_row = logit_rows == nullptr ? b * K + n : row;
+    const float* q = n < pad::row_drafts(num_drafts, b, K) ? draft_probs + q_row * V : nullptr;
     for (int64_t sp = 0; sp < race_splits; ++sp) {
       for (int64_t t = 0; t < threads; ++t)
-        race_lanes[t] = pad::thread_race(s, ScaledLogits<T>{logits + pos * V, temperature}, q, exponentials + b * V,
+        race_lanes[t] = pad::thread_race(s, ScaledLogits<T>{logits + row * V, temperature}, q, exponentials + b * V,
                                          pad::vocab_slice(sp, race_len, V), t, threads);
       race_parts[sp] = tree(race_lanes, merge_races);
     }
@@ -141,12 +161,19 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
                          const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
                          const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
+                         const c10::optional<at::Tensor>& row_rules, const c10::optional<at::Tensor>& logit_rows,
                          at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
                          at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
                          at::Tensor& next_token, at::Tensor& top3_entropy, at::Tensor& divergence, int64_t splits,
                          int64_t split_len, int64_t race_splits, int64_t race_split_len, int64_t threads) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [B, K+1, V]");
-  const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
+  const bool by_rows = logit_rows.has_value();
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == (by_rows ? 2 : 3) && logits.is_contiguous(),
+              "logits must be contiguous [B, K+1, V] (or [R, V] with logit_rows)");
+  const int64_t B = draft_tokens.size(0), K = draft_tokens.size(1), V = logits.size(-1);
+  TORCH_CHECK(!by_rows || (logit_rows->scalar_type() == at::kLong && logit_rows->is_contiguous() &&
+                           logit_rows->numel() == B * (K + 1)), "logit_rows must be contiguous int64 [B, K+1]");
+  TORCH_CHECK(!row_rules.has_value() || (row_rules->scalar_type() == at::kFloat && row_rules->is_contiguous() &&
+                                         row_rules->numel() == B * 6), "row_rules must be contiguous fp32 [B, 6]");
   for (const auto& [S, len] : {std::pair{splits, split_len}, std::pair{race_splits, race_split_len}})
     TORCH_CHECK(S >= 1 && len >= 1 && S * len >= V && (S - 1) * len < V, "the vocabulary must be cut into non-empty slices");
   TORCH_CHECK(threads > 0 && (threads & (threads - 1)) == 0, "threads must be a power of 2");
@@ -168,7 +195,9 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
               (float)temperature, pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
               num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr,
               draft_logits.has_value() ? draft_logits->data_ptr<logit_t>() : nullptr, divergence.data_ptr<float>(),
-              splits, split_len, race_splits, race_split_len, threads);
+              row_rules.has_value() ? row_rules->data_ptr<float>() : nullptr,
+              by_rows ? logit_rows->data_ptr<int64_t>() : nullptr, splits, split_len, race_splits, race_split_len,
+              threads);
     };
     if (!has_clf) {
       run(static_cast<const float*>(nullptr));

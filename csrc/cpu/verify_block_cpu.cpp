@@ -27,11 +27,23 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
                           const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                           const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
                           const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
+                          const c10::optional<at::Tensor>& row_rules, const c10::optional<at::Tensor>& logit_rows,
                           at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
                           at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
                           at::Tensor& next_token, at::Tensor& top3_entropy, at::Tensor& divergence) {
-  check(logits.device().is_cpu() && logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [B, K+1, V] on the CPU");
-  const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
+  const bool by_rows = logit_rows.has_value();
+  check(logits.device().is_cpu() && logits.dim() == (by_rows ? 2 : 3) && logits.is_contiguous(),
+        "logits must be contiguous [B, K+1, V] (or [R, V] with logit_rows) on the CPU");
+  check(draft_tokens.dim() == 2, "draft_tokens must be [B, K]");
+  const int64_t B = draft_tokens.size(0), K = draft_tokens.size(1), V = logits.size(-1);
+  if (by_rows)
+    check(logit_rows->scalar_type() == at::kLong && logit_rows->is_contiguous() && logit_rows->numel() == B * (K + 1),
+          "logit_rows must be contiguous int64 [B, K+1]");
+  else
+    check(logits.size(0) == B && logits.size(1) == K + 1, "logits must be [B, K+1, V]");
+  if (row_rules.has_value())
+    check(row_rules->scalar_type() == at::kFloat && row_rules->is_contiguous() && row_rules->numel() == B * 6,
+          "row_rules must be contiguous fp32 [B, 6]");
   check(draft_tokens.scalar_type() == at::kLong && draft_tokens.is_contiguous() && draft_tokens.size(0) == B &&
             draft_tokens.size(1) == K, "draft_tokens must be contiguous int64 [B, K]");
   const bool has_clf = w1.has_value();
@@ -67,7 +79,9 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
                     ptr(w2), b2v, Hdim, D, (float)sigma, (float)floor_, (float)temperature, ptr(draft_probs),
                     ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
                     num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr,
-                    draft_logits.has_value() ? draft_logits->data_ptr<logit_t>() : nullptr, B, K, V,
+                    draft_logits.has_value() ? draft_logits->data_ptr<logit_t>() : nullptr,
+                    row_rules.has_value() ? row_rules->data_ptr<float>() : nullptr,
+                    by_rows ? logit_rows->data_ptr<int64_t>() : nullptr, B, K, V,
                     entropy.data_ptr<float>(), token_prob.data_ptr<float>(), argmax.data_ptr<int64_t>(),
                     pivot_prob.data_ptr<float>(), accepted.data_ptr<bool>(), pivot_accepted.data_ptr<bool>(),
                     num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), top3_entropy.data_ptr<float>(),
@@ -92,6 +106,7 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
                          const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
                          const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
+                         const c10::optional<at::Tensor>& row_rules, const c10::optional<at::Tensor>& logit_rows,
                          at::Tensor& entropy, at::Tensor& token_prob, at::Tensor& argmax, at::Tensor& pivot_prob,
                          at::Tensor& accepted, at::Tensor& pivot_accepted, at::Tensor& num_accepted,
                          at::Tensor& next_token, at::Tensor& top3_entropy, at::Tensor& divergence, int64_t splits,

@@ -55,19 +55,27 @@ __device__ V block_reduce(V* shared, const V& mine, Merge merge) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) split_stats_kernel(const T* __restrict__ logits,  // [B, K+1, V]
+__global__ void __launch_bounds__(kThreads) split_stats_kernel(const T* __restrict__ logits,  // [B, K+1, V] / [R, V]
                                                                const T* __restrict__ draft_logits,  // [B, K, V] or null
                                                                const int64_t* __restrict__ drafts,  // [B, K]
+                                                               const int64_t* logit_rows,  // [B, K+1] or null
+                                                               const float* row_rules,     // [B, 6] or null
                                                                pad::RowStats* parts,          // [B, K+1, S] out
                                                                int64_t K, int64_t V, int64_t split_len,
-                                                               float temperature, bool ranked) {
+                                                               float temperature, pad::Rule rule) {
   __shared__ pad::RowStats shared[kThreads];
   const int64_t pos = blockIdx.x, sp = blockIdx.y, S = gridDim.y, b = pos / (K + 1), i = pos % (K + 1);
-  const ScaledLogits<T> x{logits + pos * V, temperature};
+  const int64_t row = pad::logit_row(logit_rows, b, i, K);
+  if (row < 0) {  // no logits here: the whole block leaves before any barrier
+    if (threadIdx.x == 0) parts[pos * S + sp] = pad::row_empty();
+    return;
+  }
+  const ScaledLogits<T> x{logits + row * V, temperature};
   const bool has_draft = i < K && draft_logits != nullptr;
   const ScaledLogits<T> y{has_draft ? draft_logits + (b * K + i) * V : nullptr, temperature};
   const int64_t d = i < K ? drafts[b * K + i] : -1;
-  const bool rank = ranked && pad::in_vocab(d, V);  // topk: the tokens ranked above d
+  // topk: the tokens ranked above d
+  const bool rank = pad::row_rule(row_rules, b, rule, 0.0f, false).rule.kind == pad::kRuleTopk && pad::in_vocab(d, V);
   const pad::RowStats s = block_reduce(
       shared, pad::thread_row_stats(x, y, has_draft, rank ? d : -1, rank ? x(d) : 0.0f,
                                     pad::vocab_slice(sp, split_len, V), threadIdx.x, blockDim.x), MergeStats{});
@@ -84,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
     bool has_draft_logits, pad::RowStats* stats_out,
     float* pivot_prob, bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token,
     unsigned* races_done, int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_,
-    float temperature, pad::Rule rule, const int64_t* num_drafts) {
+    float temperature, pad::Rule rule, const int64_t* num_drafts, const float* row_rules, const int64_t* logit_rows) {
   __shared__ pad::RowStats shared[kThreads];
   __shared__ float h[pad::kTile][pad::kHChunk];
   __shared__ float red[pad::kTile][kThreads];
@@ -93,16 +101,25 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
 
   // 0. Each position's state from its S slices.
   for (int64_t i = 0; i < K1; ++i) {
-    const int64_t pos = b * K1 + i;
+    const int64_t pos = b * K1 + i, row = pad::logit_row(logit_rows, b, i, K);
     const pad::RowStats s = block_reduce(shared, pad::thread_slice_stats(parts + pos * S, S, t, threads), MergeStats{});
     if (t != 0) continue;
+    stats_out[pos] = s;
+    if (row < 0) {  // no logits here (past the row's drafts)
+      entropy[pos] = top3_entropy[pos] = NAN;
+      argmax[pos] = -1;
+      if (i < K) {
+        token_prob[b * K + i] = NAN;
+        divergence[b * K + i] = -1.0f;
+      }
+      continue;
+    }
     entropy[pos] = pad::row_entropy(s);
     top3_entropy[pos] = pad::row_top3_entropy(s);
     argmax[pos] = s.argmax;
-    stats_out[pos] = s;
     if (i < K) {
       const int64_t d = drafts[b * K + i];
-      token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + pos * V, temperature}(d)) : NAN;
+      token_prob[b * K + i] = pad::in_vocab(d, V) ? pad::row_prob(s, ScaledLogits<T>{logits + row * V, temperature}(d)) : NAN;
       divergence[b * K + i] = has_draft_logits ? pad::row_divergence(s) : -1.0f;
     }
   }
@@ -141,16 +158,21 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
     if (t < np) pivot_prob[b * K + i0 + t] = pad::sigmoid(red[t][0] + *b2);
     __syncthreads();
   }
+  __syncthreads();
+  for (int64_t i = t; i < K; i += threads)  // positions without logits have no pivot probability
+    if (pad::logit_row(logit_rows, b, i, K) < 0) pivot_prob[b * K + i] = NAN;
   __syncthreads();  // pivot_prob is read by thread 0
 
   // 2. The accepted prefix (one thread: K is small).
   if (t != 0) return;
-  const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, uniforms, sampling,
-                                    has_clf, sigma, floor_, rule, entropy, top3_entropy, stats_out, divergence,
+  const pad::RowRule rr = pad::row_rule(row_rules, b, rule, sigma, sampling);
+  const int64_t n = pad::accept_row(b, K, V, drafts, argmax, token_prob, pivot_prob, draft_probs, logit_rows,
+                                    uniforms, has_clf, rr, floor_, entropy, top3_entropy, stats_out, divergence,
                                     pad::row_drafts(num_drafts, b, K), accepted, pivot_accepted);
   num_accepted[b] = n;
   if (sampling) races_done[b] = 0;  // kernel 3 counts its finished slices here (stream order: it runs after)
-  else next_token[b] = argmax[b * K1 + n];
+  const int64_t row = pad::logit_row(logit_rows, b, n, K);
+  if (row < 0 || !rr.sampled) next_token[b] = row < 0 ? -1 : argmax[b * K1 + n];  // no row: the caller's token
 }
 
 template <typename T>
@@ -159,16 +181,20 @@ __global__ void __launch_bounds__(kThreads) draw_kernel(
     const int64_t* num_accepted, const int64_t* num_drafts, const pad::RowStats* stats,  // [B, K+1]
     pad::Race* race_parts,  // [B, S] scratch
     unsigned* races_done,   // [B], 0 on entry
-    int64_t* next_token, int64_t K, int64_t V, int64_t split_len, float temperature) {
+    int64_t* next_token, int64_t K, int64_t V, int64_t split_len, float temperature,
+    const float* row_rules, const int64_t* logit_rows) {
   __shared__ pad::Race shared[kThreads];
   __shared__ bool last;
   const int64_t b = blockIdx.x, sp = blockIdx.y, S = gridDim.y, t = threadIdx.x, threads = blockDim.x;
-  const int64_t n = num_accepted[b], pos = b * (K + 1) + n;
+  const int64_t n = num_accepted[b], pos = b * (K + 1) + n, row = pad::logit_row(logit_rows, b, n, K);
+  // A greedy row of a sampled call, or no logits there: kernel 2 wrote its token (the whole block leaves).
+  if (row < 0 || (row_rules != nullptr && row_rules[b * 6 + 5] == 0.0f)) return;
   const pad::RowStats s = stats[pos];
   // Past the row's drafts q is 0: the bonus token is drawn from p.
-  const float* q = n < pad::row_drafts(num_drafts, b, K) ? draft_probs + (b * K + n) * V : nullptr;
+  const int64_t q_row = logit_rows == nullptr ? b * K + n : row;
+  const float* q = n < pad::row_drafts(num_drafts, b, K) ? draft_probs + q_row * V : nullptr;
   const pad::Race r = block_reduce(
-      shared, pad::thread_race(s, ScaledLogits<T>{logits + pos * V, temperature}, q, exponentials + b * V,
+      shared, pad::thread_race(s, ScaledLogits<T>{logits + row * V, temperature}, q, exponentials + b * V,
                                pad::vocab_slice(sp, split_len, V), t, threads),
       MergeRaces{});
   if (t == 0) {
@@ -204,18 +230,18 @@ cudaError_t launch(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
   pad_cuda::Scratch s = pad_cuda::scratch_layout(a.scratch, a.B, a.K, a.splits, a.race_splits);
   if (a.B * K1 == 0) return cudaSuccess;
   split_stats_kernel<T><<<dim3(a.B * K1, a.splits), kThreads, 0, stream>>>(
-      logits, static_cast<const T*>(a.draft_logits), a.drafts, s.parts, a.K, a.V, a.split_len, a.temperature,
-      a.rule.kind == pad::kRuleTopk);
+      logits, static_cast<const T*>(a.draft_logits), a.drafts, a.logit_rows, a.row_rules, s.parts, a.K, a.V,
+      a.split_len, a.temperature, a.rule);
   accept_kernel<T, H><<<a.B, kThreads, 0, stream>>>(
       logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms, s.parts,
       a.splits, a.entropy, a.top3_entropy, a.argmax, a.token_prob, a.divergence, a.draft_logits != nullptr, s.stats,
       a.pivot_prob, a.accepted,
       a.pivot_accepted, a.num_accepted, a.next_token, s.races_done, a.K, a.V, a.H, a.D, a.sigma, a.floor_,
-      a.temperature, a.rule, a.num_drafts);
+      a.temperature, a.rule, a.num_drafts, a.row_rules, a.logit_rows);
   if (a.temperature > 0.0f)
     draw_kernel<T><<<dim3(a.B, a.race_splits), kThreads, 0, stream>>>(
         logits, a.draft_probs, a.exponentials, a.num_accepted, a.num_drafts, s.stats, s.race_parts,
-        s.races_done, a.next_token, a.K, a.V, a.race_split_len, a.temperature);
+        s.races_done, a.next_token, a.K, a.V, a.race_split_len, a.temperature, a.row_rules, a.logit_rows);
   return cudaGetLastError();
 }
 

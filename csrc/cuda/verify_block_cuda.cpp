@@ -26,24 +26,37 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
                            const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                            const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a,
                            double rule_b, const c10::optional<at::Tensor>& num_drafts,
-                           const c10::optional<at::Tensor>& draft_logits, at::Tensor& entropy, at::Tensor& token_prob,
+                           const c10::optional<at::Tensor>& draft_logits, const c10::optional<at::Tensor>& row_rules,
+                           const c10::optional<at::Tensor>& logit_rows, at::Tensor& entropy, at::Tensor& token_prob,
                            at::Tensor& argmax, at::Tensor& pivot_prob, at::Tensor& accepted, at::Tensor& pivot_accepted,
                            at::Tensor& num_accepted, at::Tensor& next_token, at::Tensor& top3_entropy,
                            at::Tensor& divergence, int64_t splits, int64_t split_len, int64_t race_splits,
                            int64_t race_split_len) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 3 && logits.is_contiguous(),
-              "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] on a CUDA device");
+  const bool by_rows = logit_rows.has_value();
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == (by_rows ? 2 : 3) && logits.is_contiguous(),
+              "pad_kernels cuda verify_block: logits must be contiguous [B, K+1, V] (or [R, V] with logit_rows) on a "
+              "CUDA device");
   const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t B = logits.size(0), K = logits.size(1) - 1;
-  TORCH_CHECK(draft_tokens.is_cuda() && draft_tokens.scalar_type() == at::kLong && draft_tokens.size(0) == B &&
-                  draft_tokens.size(1) == K, "pad_kernels cuda verify_block: draft_tokens must be int64 [B, K]");
+  TORCH_CHECK(draft_tokens.is_cuda() && draft_tokens.scalar_type() == at::kLong && draft_tokens.dim() == 2,
+              "pad_kernels cuda verify_block: draft_tokens must be int64 [B, K]");
+  const int64_t B = draft_tokens.size(0), K = draft_tokens.size(1);
+  TORCH_CHECK(by_rows || (logits.size(0) == B && logits.size(1) == K + 1),
+              "pad_kernels cuda verify_block: logits must be [B, K+1, V]");
+  TORCH_CHECK(!by_rows || (logit_rows->is_cuda() && logit_rows->scalar_type() == at::kLong &&
+                           logit_rows->is_contiguous() && logit_rows->numel() == B * (K + 1)),
+              "pad_kernels cuda verify_block: logit_rows must be contiguous int64 [B, K+1] on CUDA");
+  TORCH_CHECK(!row_rules.has_value() || (row_rules->is_cuda() && row_rules->scalar_type() == at::kFloat &&
+                                         row_rules->is_contiguous() && row_rules->numel() == B * 6),
+              "pad_kernels cuda verify_block: row_rules must be contiguous fp32 [B, 6] on CUDA");
   pad_cuda::VerifyArgs a{};
   a.logits = logits.data_ptr();
   a.logits_dtype = dtype_of(logits);
   a.drafts = draft_tokens.data_ptr<int64_t>();
   a.B = B;
   a.K = K;
-  a.V = logits.size(2);
+  a.V = logits.size(-1);
+  a.row_rules = fptr(row_rules);
+  a.logit_rows = by_rows ? logit_rows->data_ptr<int64_t>() : nullptr;
   a.H = 1;
   a.D = 1;
   if (w1.has_value()) {

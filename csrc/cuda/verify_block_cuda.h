@@ -12,7 +12,7 @@ enum class DType { kFloat32, kFloat16, kBFloat16 };
 
 // Device pointers of one verification block; optional inputs are nullptr (w1 == nullptr: no classifier).
 struct VerifyArgs {
-  const void* logits;  // [B, K+1, V]
+  const void* logits;  // [B, K+1, V], or [R, V] read through logit_rows
   DType logits_dtype;
   const int64_t* drafts;  // [B, K]
   const void* hidden;     // [B, K+1, H]
@@ -27,6 +27,8 @@ struct VerifyArgs {
   const int64_t* num_drafts;                           // [B] or nullptr (every row drafted K)
   const void* draft_logits;                            // [B, K, V] of logits_dtype, or nullptr
   float* divergence;                                   // [B, K]
+  const float* row_rules;                              // [B, 6] (pad::row_rule) or nullptr: the call's rule
+  const int64_t* logit_rows;                           // [B, K+1] rows of logits [R, V] (-1: none) or nullptr
   void* scratch;                                       // scratch_bytes(B, K, splits, race_splits), 8-aligned
   int64_t B, K, V, H, D;
   int64_t splits, split_len;            // vocabulary slices per position (kernels 1-2), 1 <= splits <= 65535

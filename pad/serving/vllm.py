@@ -41,12 +41,12 @@ import contextvars
 import functools
 import inspect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-from pad_kernels.types import SAMPLING_RULES, VerifyResult
+from pad_kernels.types import SAMPLING_RULES, pack_row_rules
 
 from ..decoding.policy import DEFAULT_SIGMA, SPECULATIVE, Policy, parse_policy
-from ..decoding.speculative import keep_exact_prefix
 
 CONFIG_KEY = "pad"
 KEYS = ("policy", "classifier", "floor", "backend", "exact_prefix", "judge_free")
@@ -651,7 +651,11 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     draft_probs [T, V] or None (a draft without probabilities counts as certain of its token),
     bonus_token_ids [B, 1]; ``native``: vLLM 0.33's native FLy arguments (refused when it is on). Returns
     [B, max_spec_len + 1] int32: accepted drafts, then the correction token or vLLM's bonus token, then
-    ``PLACEHOLDER``."""
+    ``PLACEHOLDER``.
+
+    One call of the op decides the whole step: it reads vLLM's target logits where they lie (``logit_rows``:
+    request b's i-th draft row; its bonus position has none, vLLM's bonus token goes there), and each request
+    carries its own rule, sigma, exact prefix and kind, greedy or sampled (``row_rules``)."""
     if synthetic_mode:
         raise ValueError("pad's acceptance and vLLM's synthetic acceptance rates exclude each other: "
                          "drop rejection_sample_method=synthetic or pad's policy")
@@ -668,151 +672,79 @@ def pad_rejection_sample(acceptance: Acceptance, metadata, draft_token_ids, num_
     if native.get("fly_window_size") is not None:
         raise ValueError("pad's acceptance and vLLM's native FLy (rejection_sample_method fly) exclude each "
                          "other: drop one (pad's fly@GATE,WINDOW is FLy as a pad policy)")
+    sampled_step = not sampling_metadata.all_greedy
     if requests is None:  # every request the engine's policy; greedy ones where vLLM's temperature is 0
         config = acceptance.config
-        requests = [(config.policy, None, acceptance.exact_until(config.policy, 0, config.judge_free))] * B
-    sampled_step = not sampling_metadata.all_greedy
+        greedy = [True] * B if not sampled_step else [False] * B if sampling_metadata.all_random else \
+            (sampling_metadata.temperature < SAMPLING_EPS).tolist()
+        requests = [(config.policy, g, acceptance.exact_until(config.policy, 0, config.judge_free)) for g in greedy]
     for policy, greedy, _ in requests:  # per request: a greedy fly request may share a step with sampled ones
-        if policy.rule.name not in SAMPLING_RULES and (greedy is False or (greedy is None and sampled_step)):
+        if policy.rule.name not in SAMPLING_RULES and not greedy:
             raise ValueError(f"pad's {policy} policy decides greedy requests only, and this step has a sampled "
                              "request under it (temperature > 0; refused as requests arrive: a safeguard)")
     drafts = draft_token_ids.long()
-    # The op's packed layout, from the draft counts alone: each request's draft rows (target_logits holds
-    # them request by request), then its bonus row, zeros (the bonus token is vLLM's, sampled with its own
-    # processors). Every row is written.
-    is_draft_row = torch.ones(T + B, dtype=torch.bool)
-    is_draft_row[torch.tensor(counts, dtype=torch.long).add(1).cumsum(0).sub(1)] = False
-    is_draft_row = is_draft_row.to(device)
-    packed = target_logits.new_empty(T + B, V)
-    packed[~is_draft_row] = 0.0
-    packed[is_draft_row] = target_logits
+    if T == 0:  # no drafts at all: every request takes vLLM's bonus token
+        return _output(None, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_len, acceptance)
+    # Placeholders (-1, async scheduling) stand for drafts that do not exist: a request's own drafts end at
+    # its first, and the next token comes from that position's row (one host read per step).
+    own = _own_counts(drafts, counts) if int(drafts.min()) < 0 else counts
+    layout = _layout(counts, own, max_spec_len)
+    pivot = [p.name == "pivot" and u < k for (p, _, u), k in zip(requests, own)]  # the classifier judges some
+    classifier = acceptance.folded if any(pivot) else None
     hidden = None
-    if acceptance.capture is not None and any(p.name == "pivot" and u < EVERY_DRAFT for p, _, u in requests):
-        hidden = acceptance.capture.value[metadata.logits_indices.long()]
-    q = uniforms = exponentials = None
+    if classifier is not None:  # [B, K+1, H]: request b's rows of vLLM's packed step (drafts, then bonus)
+        hidden = acceptance.capture.value[metadata.logits_indices.long()][layout.hidden_rows.to(device)]
+    rules = pack_row_rules([p.rule for p, _, _ in requests],
+                           [p.sigma or 0.0 if judged else 0.0 for (p, _, _), judged in zip(requests, pivot)],
+                           [u for _, _, u in requests], [not g for _, g, _ in requests], device)
+    sampled = {}
     if sampled_step:  # drawn first and for every draft slot, as vLLM draws them
+        uniforms, exponentials = vllm_draws(counts, V, sampling_metadata.generators, device, use_fp64_gumbel)
         q = draft_probs if draft_probs is not None else \
             torch.nn.functional.one_hot(drafts.clamp_min(0), V).to(torch.float32)
-        uniforms, exponentials = vllm_draws(counts, V, sampling_metadata.generators, device, use_fp64_gumbel)
-    own = counts
-    rows = toks = None  # all of them
-    if T and int(drafts.min()) < 0:
-        # Placeholders (-1, async scheduling) stand for drafts that do not exist: a request's own drafts end
-        # at its first, and the next token comes from that position's row.
-        own, rows, toks = _own_drafts(drafts, counts, device)
-    block = _Block(packed, drafts, hidden, q, uniforms, exponentials, sampling_metadata)
-    groups: dict[Policy, list[int]] = {}
-    for i, (policy, _, _) in enumerate(requests):
-        groups.setdefault(policy, []).append(i)
-    greedy, until = [g for _, g, _ in requests], [u for _, _, u in requests]
-    if len(groups) == 1:
-        res = _decide(acceptance, requests[0][0], block.take(rows, toks), own, greedy, until)
-    else:  # one op call per policy over its requests, scattered back (bench/vllm_policy_groups.py: the cost)
-        res = _grouped(acceptance, groups, block, own, rows, toks, greedy, until, device)
+        sampled = dict(temperature=1.0, draft_probs=q, uniforms=uniforms[layout.draft_slots.to(device)],
+                       exponentials=exponentials)  # the logits are already divided by each request's temperature
+    from pad_kernels import verify_block
+
+    res = verify_block(target_logits, drafts[layout.draft_slots.to(device)].clamp_min(0), hidden, classifier,
+                       floor=acceptance.config.floor, num_drafts=torch.tensor(own, device=device), row_rules=rules,
+                       logit_rows=layout.logit_rows.to(device), backend=acceptance.config.backend, **sampled)
     return _output(res, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_len, acceptance)
 
 
-@dataclass
-class _Block:
-    """A step's verification inputs in the op's packed layout (rows: N = T + B; tokens: T; requests: B)."""
+class _Layout(NamedTuple):
+    """Where the op reads a step of vLLM's: B requests, K = max_spec_len."""
 
-    packed: torch.Tensor  # [N, V]
-    drafts: torch.Tensor  # [T]
-    hidden: torch.Tensor | None  # [N, H]
-    q: torch.Tensor | None  # [T, V]
-    uniforms: torch.Tensor | None  # [T]
-    exponentials: torch.Tensor | None  # [B, V]
-    metadata: object  # vLLM's SamplingMetadata
-
-    def take(self, rows, toks, requests=None) -> "_Block":
-        """The rows, draft slots and requests given (index tensors; None: all)."""
-        def pick(t, index):
-            return t if t is None or index is None else t[index]
-
-        return _Block(pick(self.packed, rows), pick(self.drafts, toks), pick(self.hidden, rows),
-                      pick(self.q, toks), pick(self.uniforms, toks), pick(self.exponentials, requests), self.metadata)
+    logit_rows: torch.Tensor  # [B, K+1] int64: request b's i-th own draft row of target_logits, and the row
+    #                           after its own drafts when a placeholder cut them (else -1: vLLM's bonus)
+    draft_slots: torch.Tensor  # [B, K] int64: request b's i-th draft slot of draft_token_ids (0 past its drafts)
+    hidden_rows: torch.Tensor  # [B, K+1] int64: request b's rows of vLLM's packed [T + B] step (drafts, bonus)
 
 
-def _decide(acceptance: Acceptance, policy: Policy, block: _Block, counts: list[int], greedy: list,
-            until: list[int]) -> VerifyResult:
-    """One policy's decision over requests with ``counts`` drafts; ``greedy`` per request (None: from vLLM's
-    temperatures); ``until``: per request, its first draft positions that the exact rule decides."""
-    if all(u >= k for u, k in zip(until, counts)):  # every draft decided exactly: no classifier, no relaxing
-        return _decide_rule(acceptance, Policy("exact"), block, counts, greedy)
-    relaxed = _decide_rule(acceptance, policy, block, counts, greedy)
-    if (policy.rule.name == "exact" and policy.name != "pivot") or not any(until):
-        return relaxed
-    exact = _decide_rule(acceptance, Policy("exact"), block, counts, greedy)
-    return keep_exact_prefix(relaxed, exact, torch.tensor(until, device=block.packed.device), counts)
+def _layout(counts: list[int], own: list[int], K: int) -> _Layout:
+    """The op's view of a step from the draft counts alone (host lists: no device read)."""
+    B = len(counts)
+    logit_rows = torch.full((B, K + 1), -1, dtype=torch.long)
+    draft_slots = torch.zeros((B, K), dtype=torch.long)
+    hidden_rows = torch.zeros((B, K + 1), dtype=torch.long)
+    start = 0
+    for b, (k, n) in enumerate(zip(counts, own)):
+        logit_rows[b, : min(n + 1, k)] = torch.arange(start, start + min(n + 1, k))
+        draft_slots[b, :k] = torch.arange(start, start + k)
+        hidden_rows[b, : k + 1] = torch.arange(start + b, start + b + k + 1)
+        start += k
+    return _Layout(logit_rows, draft_slots, hidden_rows)
 
 
-def _decide_rule(acceptance: Acceptance, policy: Policy, block: _Block, counts: list[int], greedy: list):
-    """Greedy requests by the policy's greedy rule, sampled ones by its relaxed rejection test."""
-    from pad_kernels import verify_block_varlen
-
-    pivot = policy.name == "pivot"
-    common = dict(hidden=block.hidden if pivot else None, classifier=acceptance.folded if pivot else None,
-                  floor=acceptance.config.floor, rule=policy.rule, sigma=policy.sigma or 0.0,
-                  backend=acceptance.config.backend)
-    if None in greedy:
-        all_greedy, all_random = block.metadata.all_greedy, block.metadata.all_random
-    else:
-        all_greedy, all_random = all(greedy), not any(greedy)
-    out = None
-    if not all_random:
-        out = verify_block_varlen(block.packed, block.drafts, counts, **common)
-        if all_greedy:
-            return out
-    # The logits are already divided by each request's temperature: the op's temperature is 1.
-    sampled = verify_block_varlen(block.packed, block.drafts, counts, temperature=1.0, draft_probs=block.q,
-                                  uniforms=block.uniforms, exponentials=block.exponentials, **common)
-    if out is None:
-        return sampled
-    # A mixed batch: each request takes its own kind's decision.
-    device = block.packed.device
-    is_greedy = (block.metadata.temperature == 0 if None in greedy else torch.tensor(greedy, device=device))
-    per_token = torch.repeat_interleave(is_greedy, torch.tensor(counts, device=device), output_size=sum(counts))
-    return sampled._replace(num_accepted=torch.where(is_greedy, out.num_accepted, sampled.num_accepted),
-                            next_token=torch.where(is_greedy, out.next_token, sampled.next_token),
-                            pivot_accepted=torch.where(per_token, out.pivot_accepted, sampled.pivot_accepted))
-
-
-def _grouped(acceptance, groups, block, own, rows, toks, greedy, until, device):
-    """Each policy's ``_decide`` over its own requests; per request num_accepted and next_token [B] and per
-    draft slot pivot_accepted [T'] put back in the batch's order."""
-    row_start, tok_start = [0], [0]
-    for k in own:
-        row_start.append(row_start[-1] + k + 1)
-        tok_start.append(tok_start[-1] + k)
-    rows = rows if rows is not None else torch.arange(row_start[-1], device=device)
-    toks = toks if toks is not None else torch.arange(tok_start[-1], device=device)
-    num_accepted = torch.empty(len(own), dtype=torch.long, device=device)
-    next_token = torch.empty(len(own), dtype=torch.long, device=device)
-    pivot_accepted = torch.empty(tok_start[-1], dtype=torch.bool, device=device)
-    for policy, members in groups.items():
-        g_rows = [r for i in members for r in range(row_start[i], row_start[i + 1])]
-        g_toks = [t for i in members for t in range(tok_start[i], tok_start[i + 1])]
-        at = torch.tensor(members, device=device)
-        t_at = torch.tensor(g_toks, dtype=torch.long, device=device)
-        res = _decide(acceptance, policy, block.take(rows[torch.tensor(g_rows, device=device)], toks[t_at], at),
-                      [own[i] for i in members], [greedy[i] for i in members], [until[i] for i in members])
-        num_accepted[at], next_token[at] = res.num_accepted, res.next_token
-        pivot_accepted[t_at] = res.pivot_accepted
-    return VerifyResult(*(None,) * 5, pivot_accepted, num_accepted, next_token, None, None)
-
-
-def _own_drafts(drafts, counts, device):
-    """Each request's drafts up to its first placeholder: (own counts, packed rows kept, draft slots kept)."""
+def _own_counts(drafts: torch.Tensor, counts: list[int]) -> list[int]:
+    """Each request's drafts up to its first placeholder."""
     placeholder = (drafts < 0).tolist()
-    own, rows, toks, row, tok = [], [], [], 0, 0
+    own, tok = [], 0
     for k in counts:
         segment = placeholder[tok : tok + k]
-        n = segment.index(True) if True in segment else k
-        own.append(n)
-        rows.extend(range(row, row + n + 1))
-        toks.extend(range(tok, tok + n))
-        row, tok = row + k + 1, tok + k
-    return own, torch.tensor(rows, device=device), torch.tensor(toks, dtype=torch.long, device=device)
+        own.append(segment.index(True) if True in segment else k)
+        tok += k
+    return own
 
 
 def vllm_draws(counts: list[int], V: int, generators: dict, device, fp64: bool = False):
@@ -832,7 +764,7 @@ def vllm_draws(counts: list[int], V: int, generators: dict, device, fp64: bool =
 
 def _output(res, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_len, acceptance):
     """[B, max_spec_len + 1] int32 rows: the accepted prefix, then the next token (vLLM's bonus token when
-    all of the request's ``counts`` drafts were accepted), then PLACEHOLDER."""
+    all of the request's ``counts`` drafts were accepted), then PLACEHOLDER. ``res`` None: no drafts at all."""
     B = len(counts)
     device = drafts.device
     k = torch.tensor(counts, dtype=torch.long, device=device)
@@ -841,9 +773,13 @@ def _output(res, drafts, counts, cu_num_draft_tokens, bonus_token_ids, max_spec_
     index = (start[:, None] + pos.clamp(max=max_spec_len - 1)).clamp(0, max(drafts.shape[0] - 1, 0))
     row_drafts = drafts[index] if drafts.numel() else torch.zeros((B, max_spec_len + 1), dtype=torch.long,
                                                                   device=device)
-    n = res.num_accepted[:, None]
-    nxt = torch.where(n < k[:, None], res.next_token[:, None], bonus_token_ids.long().reshape(B, 1))
+    if res is None:
+        n, next_token = torch.zeros((B, 1), dtype=torch.long, device=device), bonus_token_ids.long().reshape(B, 1)
+    else:
+        n, next_token = res.num_accepted[:, None], res.next_token[:, None]
+    nxt = torch.where(n < k[:, None], next_token, bonus_token_ids.long().reshape(B, 1))
     out = torch.where(pos < n, row_drafts, torch.where(pos == n, nxt, PLACEHOLDER))
-    relaxed = res.pivot_accepted.sum()  # on the device: no sync per block
-    acceptance.relaxed = relaxed if acceptance.relaxed is None else acceptance.relaxed + relaxed
+    if res is not None:
+        relaxed = res.pivot_accepted.sum()  # on the device: no sync per block
+        acceptance.relaxed = relaxed if acceptance.relaxed is None else acceptance.relaxed + relaxed
     return out.to(torch.int32)

@@ -63,26 +63,38 @@ def jobs():
     cfg = launch_config(K=10, V=151936, H=1536, D=128, S=slices)
     block_v = 1024  # the launcher's chunk for slices of 1024 logits or more
     for dname, dptr in DTYPES.items():
-        for scaled, has_draft, ranked in itertools.product((False, True), repeat=3):
+        # A serving engine's call: logits read by row index (HAS_ROWS), with per-row rules (HAS_RR) or without.
+        by_rows = ((False, False), (True, False), (True, True))
+        for scaled, has_draft, ranked, (has_rows, has_rr) in itertools.product((False, True), (False, True),
+                                                                                (False, True), by_rows):
+            if (has_rows or has_rr) and (has_draft or (has_rr and not ranked)):  # no draft logits; rr: ranked
+                continue
             sig = dict(logits_ptr=dptr, draft_logits_ptr=dptr, drafts_ptr="*i64", part_ptr="*fp32",
-                       part_sum_ptr="*fp64", part_arg_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32",
-                       temperature="fp32")
-            yield (f"split_stats_kernel[{dname}, SCALED={scaled}, HAS_DRAFT={has_draft}, RANKED={ranked}]",
-                   split_stats_kernel, sig, dict(SCALED=scaled, HAS_DRAFT=has_draft, RANKED=ranked, BLOCK_V=block_v))
-        for has_nd in (False, True):
+                       part_sum_ptr="*fp64", part_arg_ptr="*i64", logit_rows_ptr="*i64", row_rules_ptr="*fp32",
+                       K="i32", V="i32", split_len="i32", S="i32", temperature="fp32")
+            yield (f"split_stats_kernel[{dname}, SCALED={scaled}, HAS_DRAFT={has_draft}, RANKED={ranked}, "
+                   f"HAS_ROWS={has_rows}, HAS_RR={has_rr}]", split_stats_kernel, sig,
+                   dict(SCALED=scaled, HAS_DRAFT=has_draft, RANKED=ranked, HAS_ROWS=has_rows, HAS_RR=has_rr,
+                        BLOCK_V=block_v))
+        for has_nd, (has_rows, has_rr) in itertools.product((False, True), by_rows):
             sig = dict(logits_ptr=dptr, draft_probs_ptr="*fp32", exponentials_ptr="*fp32", num_accepted_ptr="*i64",
                        num_drafts_ptr="*i64", row_ms_ptr="*fp32", race_ptr="*fp32", race_arg_ptr="*i64",
-                       done_ptr="*i32", next_token_ptr="*i64", K="i32", V="i32", split_len="i32", S="i32",
-                       temperature="fp32")
-            yield (f"draw_kernel[{dname}, HAS_ND={has_nd}]", draw_kernel, sig,
-                   dict(HAS_ND=has_nd, BLOCK_V=block_v, SPC=16))
-        for has_clf, sampling, rule, has_nd, has_draft in itertools.product(
-                (False, True), (False, True), range(len(RULES)), (False, True), (False, True)):
+                       done_ptr="*i32", next_token_ptr="*i64", logit_rows_ptr="*i64", row_rules_ptr="*fp32",
+                       K="i32", V="i32", split_len="i32", S="i32", temperature="fp32")
+            yield (f"draw_kernel[{dname}, HAS_ND={has_nd}, HAS_ROWS={has_rows}, HAS_RR={has_rr}]", draw_kernel, sig,
+                   dict(HAS_ND=has_nd, BLOCK_V=block_v, SPC=16, HAS_ROWS=has_rows, HAS_RR=has_rr))
+        for has_clf, sampling, rule, has_nd, has_draft, (has_rows, has_rr) in itertools.product(
+                (False, True), (False, True), range(len(RULES)), (False, True), (False, True), by_rows):
             if sampling and RULES[rule] not in SAMPLING_RULES:
                 continue
             # The draft's logits: always with kl, else only to report the divergence (one rule suffices: the
             # divergence's code is the same whatever the rule).
             if has_draft != (RULES[rule] == "kl") and not (has_draft and RULES[rule] == "exact"):
+                continue
+            # Read by row index (no draft logits there): the call's rule as threshold, or per-row rules (every
+            # rule's test compiled in, RULE unread), each with draft lengths.
+            wanted = "exact" if has_rr else "threshold"
+            if (has_rows or has_rr) and (has_draft or not has_nd or RULES[rule] != wanted):
                 continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
                        w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
@@ -93,11 +105,12 @@ def jobs():
                        accepted_ptr="*i1", pivot_accepted_ptr="*i1", num_accepted_ptr="*i64", next_token_ptr="*i64",
                        divergence_ptr="*fp32", K="i32", V="i32", H="i32", D="i32", S="i32", sigma="fp32", floor="fp32",
                        temperature="fp32",
-                       rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64")
+                       rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64", logit_rows_ptr="*i64",
+                       row_rules_ptr="*fp32")
             yield (f"accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
-                   f"RULE={RULES[rule]}, HAS_DRAFT={has_draft}]",
+                   f"RULE={RULES[rule]}, HAS_DRAFT={has_draft}, HAS_ROWS={has_rows}, HAS_RR={has_rr}]",
                    accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd,
-                                             HAS_DRAFT=has_draft, **cfg))
+                                             HAS_DRAFT=has_draft, HAS_ROWS=has_rows, HAS_RR=has_rr, **cfg))
 
 
 def _compile_job(arch: int, index: int):

@@ -74,23 +74,35 @@ def split_stats_kernel(
     #            max and sum of exp(y - its max), sum of exp(x - max) * (x - y)
     part_sum_ptr,  # [B, K+1, S] fp64 out: sum of exp(x - max) (fp32 adds lost ulps of p, as on the CPU)
     part_arg_ptr,  # [B, K+1, S, 2] int64 out: argmax of the slice (lowest index on ties), tokens ranked above d
+    logit_rows_ptr,  # [B, K+1] int64 (HAS_ROWS): the row of logits [R, V] each position reads, -1: none
+    row_rules_ptr,  # [B, 6] fp32 (HAS_RR): each row's rule code first
     K, V, split_len, S, temperature,
     SCALED: tl.constexpr,  # temperature > 0
     HAS_DRAFT: tl.constexpr,  # the draft's logits are given: its softmax and the divergence's cross term
-    RANKED: tl.constexpr,  # topk: count the tokens ranked above the draft token
+    RANKED: tl.constexpr,  # topk (or per-row rules, one of which may be topk): count the tokens ranked above d
+    HAS_ROWS: tl.constexpr,  # logits read through logit_rows
+    HAS_RR: tl.constexpr,  # per-row rules
     BLOCK_V: tl.constexpr,
 ):
     """Program (position, split): the online softmax over logits [split * split_len, (split + 1) * split_len)."""
     pos = tl.program_id(0)
     sp = tl.program_id(1)
-    row = logits_ptr + pos.to(tl.int64) * V
     b = pos // (K + 1)
     i = pos % (K + 1)
+    present = pos >= 0  # a position without a row reads nothing: its state stays empty
+    row_index = pos.to(tl.int64)
+    if HAS_ROWS:
+        row_index = tl.load(logit_rows_ptr + pos)
+        present = row_index >= 0
+    row = logits_ptr + tl.maximum(row_index, 0) * V
     is_draft = i < K
     d = tl.full((), -1, tl.int64)
     xd = tl.zeros((), tl.float32)
     if RANKED:
-        d = tl.load(drafts_ptr + b * K + i, mask=is_draft, other=-1)
+        topk_row = is_draft
+        if HAS_RR:
+            topk_row = is_draft & (tl.load(row_rules_ptr + b * 6) == 5.0)
+        d = tl.load(drafts_ptr + b * K + i, mask=topk_row & present, other=-1)
         xd = tl.load(row + d, mask=(d >= 0) & (d < V), other=0.0).to(tl.float32)
         if SCALED:
             xd = xd / temperature
@@ -111,7 +123,7 @@ def split_stats_kernel(
     t2 = tl.full((), float("-inf"), tl.float32)
     for c0 in range(lo, hi, BLOCK_V):
         idx = c0 + offs
-        x = tl.load(row + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
+        x = tl.load(row + idx, mask=(idx < hi) & present, other=float("-inf")).to(tl.float32)
         if SCALED:
             x = x / temperature
         cm = tl.max(x, axis=0)
@@ -205,9 +217,13 @@ def accept_kernel(
     K, V, H, D, S, sigma, floor, temperature, rule_a, rule_b,
     window,  # fly: int(rule_b)
     num_drafts_ptr,  # [B] int64: each row's own draft length (HAS_ND)
+    logit_rows_ptr,  # [B, K+1] int64 (HAS_ROWS): logits and draft_probs are [R, V], read by row; -1: none
+    row_rules_ptr,  # [B, 6] fp32 (HAS_RR): rule code, a, b, sigma, exact_until, sampled of each row
     HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
-    RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly, 4 kl, 5 topk
+    RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly, 4 kl, 5 topk (no HAS_RR)
     HAS_ND: tl.constexpr,  # rows have their own draft lengths
+    HAS_ROWS: tl.constexpr,  # logits read through logit_rows
+    HAS_RR: tl.constexpr,  # per-row rules: every rule's test is compiled in and each row picks its own
     HAS_DRAFT: tl.constexpr,  # kernel 1 read the draft's logits: the divergence is defined
     KP: tl.constexpr,  # power of 2 >= max(K + 1, 16): tl.dot needs 16 rows
     SPC: tl.constexpr,  # vocabulary slices merged at once
@@ -222,6 +238,30 @@ def accept_kernel(
     if HAS_ND:  # a row that stopped drafting early: clamped to [0, K] like the other backends
         k_row = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
     drafts = tl.load(drafts_ptr + b * K + ks, mask=kmask, other=0)
+    # The row of logits of each position, and whether it has one.
+    rix = (b * K1 + ks).to(tl.int64)
+    present = k1mask
+    if HAS_ROWS:
+        rix = tl.load(logit_rows_ptr + b * K1 + ks, mask=k1mask, other=-1)
+        present = rix >= 0
+    rix = tl.maximum(rix, 0)
+    # This row's rule (the call's, or its own), as vectors over the positions (one value repeated).
+    code = tl.full((KP,), RULE, tl.int32)
+    ra = rule_a
+    rb = rule_b
+    sig = sigma + tl.zeros((KP,), tl.float32)  # a vector: the interpreter cannot AND a scalar test with one
+    until = 0
+    samp = tl.full((KP,), SAMPLING, tl.int1)
+    win = window
+    if HAS_RR:
+        at_row = row_rules_ptr + b * 6 + ks * 0
+        code = tl.load(at_row).to(tl.int32)
+        ra = tl.load(at_row + 1)
+        rb = tl.load(at_row + 2)
+        sig = tl.load(at_row + 3)
+        until = tl.load(at_row + 4).to(tl.int32)
+        samp = samp & (tl.load(at_row + 5) != 0.0)
+        win = rb.to(tl.int32)
 
     # 0. Merge the S slices' softmax states of each of the row's K+1 positions, in slice order: exact, and
     # the lowest index wins a tie of the maximum across slices as within one.
@@ -261,16 +301,17 @@ def accept_kernel(
     ls = tl.log(s)
     h3_all = -(_plogp(m, m, ls) + _plogp(t1, m, ls) + _plogp(t2, m, ls))
     h3_all = tl.where(s > 0, h3_all, tl.where(s != s, s, 0.0))
-    tl.store(entropy_ptr + b * K1 + ks, ent_all, mask=k1mask)
-    tl.store(top3_ptr + b * K1 + ks, h3_all, mask=k1mask)
+    arg = tl.where(present, arg, -1)
+    tl.store(entropy_ptr + b * K1 + ks, tl.where(present, ent_all, float("nan")), mask=k1mask)
+    tl.store(top3_ptr + b * K1 + ks, tl.where(present, h3_all, float("nan")), mask=k1mask)
     tl.store(argmax_ptr + b * K1 + ks, arg, mask=k1mask)
     # p_target of each draft token: one logit read per position.
     valid = kmask & (drafts >= 0) & (drafts < V)  # an id out of range reads nothing; its p is NaN, never accepted
-    xd = tl.load(logits_ptr + (b * K1 + ks).to(tl.int64) * V + drafts, mask=valid, other=0.0).to(tl.float32)
+    xd = tl.load(logits_ptr + rix * V + drafts, mask=valid & present, other=0.0).to(tl.float32)
     if SAMPLING:
         xd = xd / temperature
     tp = tl.where(xd == float("-inf"), 0.0, tl.exp(xd - m) / s)
-    tp = tl.where(valid, tp, float("nan"))
+    tp = tl.where(valid & present, tp, float("nan"))
     tl.store(token_prob_ptr + b * K + ks, tp, mask=kmask)
     tp = tl.where(kmask, tp, 0.0)
     am = tl.where(kmask, arg, -1)
@@ -279,6 +320,7 @@ def accept_kernel(
         div = cr / s - (m + tl.log(s)) + (dm + tl.log(dsum))
     else:
         div = tl.full((KP,), -1.0, tl.float32)
+    div = tl.where(present, div, -1.0)
     tl.store(divergence_ptr + b * K + ks, div, mask=kmask)
     top_prob = 1.0 / s
 
@@ -305,35 +347,39 @@ def accept_kernel(
         pivot = tl.full((KP,), 1.0, tl.float32)
 
     # 2. The accepted prefix: exact rule, else the pivot override; everything after a rejection is out.
+    exact = drafts == am
     if SAMPLING:
+        qrow = (b * K + ks).to(tl.int64)
+        if HAS_ROWS:  # the draft's distributions lie where the target's logits do
+            qrow = rix
         u = tl.load(uniforms_ptr + b * K + ks, mask=kmask, other=1.0)
-        qd = tl.load(draft_probs_ptr + (b * K + ks).to(tl.int64) * V + drafts,
-                     mask=kmask & (drafts >= 0) & (drafts < V), other=1.0)
-        exact = u * qd <= tp
-    else:
-        exact = drafts == am
-    ok = exact
+        qd = tl.load(draft_probs_ptr + qrow * V + drafts,
+                     mask=kmask & (ks < k_row) & present & (drafts >= 0) & (drafts < V), other=1.0)
+        exact = tl.where(samp, u * qd <= tp, exact)
+    relax = ks < 0  # all False
     if HAS_CLF:
-        ok = ok | ((sigma > 0) & (pivot <= sigma) & (tp >= floor))
-    if RULE == 1:  # typical: p > min(epsilon, delta * exp(-H))
+        relax = relax | ((sig > 0) & (pivot <= sig) & (tp >= floor))
+    if HAS_RR or RULE == 1:  # typical: p > min(epsilon, delta * exp(-H))
         ent_k = tl.where(kmask, ent_all, 0.0)
-        ok = ok | (tp > tl.minimum(rule_a, rule_b * tl.exp(-ent_k)))
-    if RULE == 2:  # threshold: p >= tau
-        ok = ok | (tp >= rule_a)
-    if RULE == 4:  # kl: KL(p || q) <= epsilon where the target's top-1 probability is below top1
-        ok = ok | ((div <= rule_a) & (top_prob < rule_b) & valid)
-    if RULE == 5:  # topk: among the target's k most likely, within delta of the top-1 probability
-        ok = ok | ((ab.to(tl.float32) < rule_a) & (tp >= top_prob - rule_b))
-    if RULE == 3:  # fly: top-3 entropy >= gate and the next window - 1 drafts, inside the block, match
+        relax = relax | ((code == 1) & (tp > tl.minimum(ra, rb * tl.exp(-ent_k))))
+    if HAS_RR or RULE == 2:  # threshold: p >= tau
+        relax = relax | ((code == 2) & (tp >= ra))
+    if HAS_RR or RULE == 4:  # kl: KL(p || q) <= epsilon where the target's top-1 probability is below top1
+        relax = relax | ((code == 4) & (div <= ra) & (top_prob < rb) & valid)
+    if HAS_RR or RULE == 5:  # topk: among the target's k most likely, within delta of the top-1 probability
+        relax = relax | ((code == 5) & (ab.to(tl.float32) < ra) & (tp >= top_prob - rb))
+    if HAS_RR or RULE == 3:  # fly: top-3 entropy >= gate and the next window - 1 drafts, inside the block, match
         h3 = tl.where(kmask, h3_all, 0.0)
         # The first mismatch after each position (K when none): [KP, KP] over (position, later position).
         later = (ks[None, :] > ks[:, None]) & (ks[None, :] < K) & ~exact[None, :]
         next_miss = tl.min(tl.where(later, ks[None, :], K), axis=1)
-        fits = (ks + window <= k_row) & (next_miss >= ks + window)
-        ok = ok | ((h3 >= rule_a) & fits & (drafts >= 0) & (drafts < V))
+        fits = (ks + win <= k_row) & (next_miss >= ks + win)
+        relax = relax | ((code == 3) & (h3 >= ra) & fits & (drafts >= 0) & (drafts < V))
+    ok = exact | (relax & (ks >= until))  # the row's first exact_until positions: the exact rule alone
     n = tl.min(tl.where(ok | (ks >= K), KP, ks), axis=0)
     n = tl.minimum(n, k_row)
     accepted = ks < n
+    pivot = tl.where(present, pivot, float("nan"))
     tl.store(pivot_prob_ptr + b * K + ks, pivot, mask=kmask)
     tl.store(accepted_ptr + b * K + ks, accepted.to(tl.int1), mask=kmask)
     tl.store(pivot_accepted_ptr + b * K + ks, (accepted & ~exact).to(tl.int1), mask=kmask)
@@ -341,12 +387,16 @@ def accept_kernel(
 
     # 3. The correction token at the first rejection, or the bonus token after K accepted: the argmax there
     # (greedy), or draw_kernel's race, which needs that position's softmax max and sum (sampling).
+    # No row there: -1 (the caller has that token: a serving engine's bonus).
+    greedy_next = tl.sum(tl.where(ks == n, arg, 0), axis=0)  # arg is -1 where there is no row
     if SAMPLING:
         tl.store(row_ms_ptr + b * 2, tl.sum(tl.where(ks == n, m, 0.0), axis=0))
         tl.store(row_ms_ptr + b * 2 + 1, tl.sum(tl.where(ks == n, s, 0.0), axis=0))
         tl.store(done_ptr + b, 0)
+        row_samples = tl.max(samp.to(tl.int32), axis=0) > 0
+        tl.store(next_token_ptr + b, greedy_next, mask=(row_samples == 0) | (greedy_next < 0))
     else:
-        tl.store(next_token_ptr + b, tl.sum(tl.where(ks == n, arg, 0), axis=0))
+        tl.store(next_token_ptr + b, greedy_next)
 
 
 @triton.jit
@@ -361,9 +411,12 @@ def draw_kernel(
     race_arg_ptr,  # [B, S, 2] int64 scratch: the two races' winners
     done_ptr,  # [B] int32, 0 on entry (and on exit)
     next_token_ptr,  # [B] int64 out
+    logit_rows_ptr,  # [B, K+1] int64 (HAS_ROWS)
+    row_rules_ptr,  # [B, 6] fp32 (HAS_RR): a greedy row's token was written by accept_kernel
     K, V, split_len, S, temperature,
     HAS_ND: tl.constexpr, BLOCK_V: tl.constexpr,
     SPC: tl.constexpr,  # slices merged at once
+    HAS_ROWS: tl.constexpr, HAS_RR: tl.constexpr,
 ):
     """Program (row, slice): the exponential race over the residual max(0, p - q) (and over p, the fallback
     when the residual is all zero) on its slice of the vocabulary at the row's first rejection; the row's
@@ -376,8 +429,16 @@ def draw_kernel(
         k_row = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
     mx = tl.load(row_ms_ptr + b * 2)
     sm = tl.load(row_ms_ptr + b * 2 + 1)
-    row = logits_ptr + (b * (K + 1) + n).to(tl.int64) * V
-    qrow = draft_probs_ptr + (b * K + n).to(tl.int64) * V
+    rix = (b * (K + 1) + n).to(tl.int64)
+    qix = (b * K + n).to(tl.int64)
+    if HAS_ROWS:
+        rix = tl.load(logit_rows_ptr + b * (K + 1) + n)
+        qix = rix
+    go = rix >= 0  # else no row there: accept_kernel wrote -1
+    if HAS_RR:
+        go = go & (tl.load(row_rules_ptr + b * 6 + 5) != 0.0)
+    row = logits_ptr + tl.maximum(rix, 0) * V
+    qrow = draft_probs_ptr + tl.maximum(qix, 0) * V
     erow = exponentials_ptr + b.to(tl.int64) * V
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, V)
@@ -390,10 +451,10 @@ def draw_kernel(
     for c0 in range(lo, hi, BLOCK_V):
         idx = c0 + offs
         vmask = idx < hi
-        x = tl.load(row + idx, mask=vmask, other=float("-inf")).to(tl.float32) / temperature
+        x = tl.load(row + idx, mask=vmask & go, other=float("-inf")).to(tl.float32) / temperature
         p = tl.where(x == float("-inf"), 0.0, tl.exp(x - mx) / sm)
-        q = tl.load(qrow + idx, mask=vmask & (n < k_row), other=0.0)  # past the row's drafts q is 0: bonus
-        e = tl.maximum(tl.load(erow + idx, mask=vmask, other=1.0), MIN_EXPONENTIAL)
+        q = tl.load(qrow + idx, mask=vmask & go & (n < k_row), other=0.0)  # past the row's drafts q is 0: bonus
+        e = tl.maximum(tl.load(erow + idx, mask=vmask & go, other=1.0), MIN_EXPONENTIAL)
         r = tl.maximum(p - q, 0.0)
         rsum += tl.sum(tl.where(vmask, r, 0.0), axis=0)
         kr = tl.where(vmask, r / e, -1.0)
@@ -436,7 +497,7 @@ def draw_kernel(
             best_r = tl.maximum(cr, best_r)
             arg_p = tl.where(cp > best_p, wp, arg_p)
             best_p = tl.maximum(cp, best_p)
-        tl.store(next_token_ptr + b, tl.where(rsum > 0, arg_r, arg_p))
+        tl.store(next_token_ptr + b, tl.where(rsum > 0, arg_r, arg_p), mask=go)
         tl.store(done_ptr + b, 0)
 
 
@@ -468,13 +529,15 @@ def verify_block_triton(
     rule: AcceptRule = AcceptRule(),
     num_drafts: torch.Tensor | None = None,  # [B] int64
     draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
+    row_rules: torch.Tensor | None = None,  # [B, 6] fp32
+    logit_rows: torch.Tensor | None = None,  # [B, K+1] int64 (target_logits, draft_probs: [R, V])
     out: VerifyResult | None = None,
     splits: int | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first).
     ``splits``: vocabulary slices per position (default: enough to fill the GPU, see ``split_plan``)."""
-    B, K1, V = target_logits.shape
-    K = K1 - 1
+    (B, K), V = draft_tokens.shape, target_logits.shape[-1]
+    K1 = K + 1
     dev = target_logits.device
     out = out if out is not None else empty_result(B, K, dev)
     logits = target_logits.contiguous()
@@ -486,13 +549,16 @@ def verify_block_triton(
     part_arg = torch.empty(B * K1 * S * 2, dtype=torch.int64, device=dev)
     sampling = temperature > 0
     has_draft = draft_logits is not None
-    ranked = rule.name == "topk"
+    has_rows, has_rr = logit_rows is not None, row_rules is not None
+    rows = logit_rows.contiguous() if has_rows else drafts  # a valid pointer where unread
+    rr = row_rules.contiguous() if has_rr else part
+    ranked = rule.name == "topk" or has_rr
     if B * K1:
         split_stats_kernel[(B * K1, S)](
-            logits, draft_logits.contiguous() if has_draft else logits, drafts, part, part_sum, part_arg, K, V,
-            split_len, S,
+            logits, draft_logits.contiguous() if has_draft else logits, drafts, part, part_sum, part_arg, rows, rr,
+            K, V, split_len, S,
             float(temperature) if sampling else 1.0, SCALED=sampling, HAS_DRAFT=has_draft, RANKED=ranked,
-            BLOCK_V=block_v,
+            HAS_ROWS=has_rows, HAS_RR=has_rr, BLOCK_V=block_v,
         )
     has_clf = classifier is not None
     dummy = part  # a valid pointer for arguments a specialization never reads
@@ -517,9 +583,9 @@ def verify_block_triton(
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token, out.divergence,
         K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
         float(rule.b), int(rule.b) if rule.name == "fly" else 0,
-        num_drafts.contiguous() if num_drafts is not None else dummy,
+        num_drafts.contiguous() if num_drafts is not None else dummy, rows, rr,
         HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, HAS_DRAFT=has_draft,
-        **launch_config(K, V, H, D, S),
+        HAS_ROWS=has_rows, HAS_RR=has_rr, **launch_config(K, V, H, D, S),
     )
     if sampling and B:
         S_d, len_d = split_plan(B, V, sm_count(dev), splits)  # B positions: one per row
@@ -527,7 +593,8 @@ def verify_block_triton(
         race_arg = torch.empty(B * S_d * 2, dtype=torch.int64, device=dev)
         draw_kernel[(B, S_d)](
             logits, dp, ex, out.num_accepted, num_drafts.contiguous() if num_drafts is not None else dummy, row_ms,
-            race, race_arg, done, out.next_token, K, V, len_d, S_d, float(temperature),
+            race, race_arg, done, out.next_token, rows, rr, K, V, len_d, S_d, float(temperature),
             HAS_ND=num_drafts is not None, BLOCK_V=min(1024, triton.next_power_of_2(len_d)), SPC=16,
+            HAS_ROWS=has_rows, HAS_RR=has_rr,
         )
     return out

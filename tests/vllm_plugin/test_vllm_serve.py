@@ -161,6 +161,6 @@ def test_load_mixed_policies_streaming_cancellations(server, tiny, capsys):
     with capsys.disabled():
         print(f"\nload: {ROUNDS} rounds of {REQUESTS} requests from {CLIENTS} clients ({len(alone)} greedy and "
               f"{REQUESTS - CANCELLED - len(alone)} seeded sampled good ones, {CANCELLED} cancelled "
-              f"mid-stream) and {bad} bad ones; rounds took {', '.join(f'{s:.1f}' for s in seconds)} s; resident memory "
-              f"after each round {', '.join(f'{m:.0f}' for m in memory)} MiB")
+              f"mid-stream) and {bad} bad ones; rounds took {', '.join(f'{s:.1f}' for s in seconds)} s; resident "
+              f"memory after each round {', '.join(f'{m:.0f}' for m in memory)} MiB")
     assert abs(memory[-1] - memory[0]) <= 0.05 * memory[0], memory

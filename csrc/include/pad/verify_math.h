@@ -235,6 +235,29 @@ PAD_HD bool pivot_override(bool has_classifier, float sigma, float floor_, float
   return has_classifier && sigma > 0.0f && pivot_prob_ <= sigma && p_draft >= floor_;
 }
 
+// One row's acceptance: the call's rule, sigma and kind (greedy or sampled), or the row's own from row_rules
+// [B, 6] (pad_kernels.ROW_RULE_COLUMNS: rule, a, b, sigma, exact_until, sampled); its first exact_until draft
+// positions are decided by the exact rule alone.
+struct RowRule {
+  Rule rule;
+  float sigma;
+  int64_t exact_until;
+  bool sampled;
+};
+
+PAD_HD RowRule row_rule(const float* row_rules, int64_t b, const Rule& rule, float sigma, bool sampling) {
+  if (row_rules == nullptr) return RowRule{rule, sigma, 0, sampling};
+  const float* r = row_rules + b * 6;
+  return RowRule{Rule{static_cast<int>(r[0]), r[1], r[2]}, r[3], static_cast<int64_t>(r[4]),
+                 sampling && r[5] != 0.0f};
+}
+
+// The logits row position (b, i) reads: its own of the [B, K+1, V] block, or logit_rows[b, i] of a [R, V]
+// tensor (-1: the position has none).
+PAD_HD int64_t logit_row(const int64_t* logit_rows, int64_t b, int64_t i, int64_t K) {
+  return logit_rows == nullptr ? b * (K + 1) + i : logit_rows[b * (K + 1) + i];
+}
+
 // A row's own draft length: num_drafts[b] clamped to [0, K] (nullptr: K), a row that stopped drafting early.
 PAD_HD int64_t row_drafts(const int64_t* num_drafts, int64_t b, int64_t K) {
   if (num_drafts == nullptr) return K;
@@ -252,25 +275,30 @@ PAD_HD bool fly_window_matches(int64_t b, int64_t i, int64_t K, int64_t k_row, i
   return true;
 }
 
-// The accepted prefix of row b: writes accepted / pivot_accepted [K] of the row, returns how many.
-// Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms, divergence [B, K]; argmax,
-// entropy, top3_entropy, stats [B, K+1]; draft_probs [B, K, V], read only when sampling).
+// The accepted prefix of row b under its RowRule r: writes accepted / pivot_accepted [K] of the row, returns
+// how many. Arrays are the whole batch's (drafts, token_prob, pivot_prob, uniforms, divergence [B, K];
+// argmax, entropy, top3_entropy, stats [B, K+1]; draft_probs [B, K, V], or [R, V] read through logit_rows,
+// read only when the row samples, at its own drafts).
 PAD_HD int64_t accept_row(int64_t b, int64_t K, int64_t V, const int64_t* drafts, const int64_t* argmax,
                           const float* token_prob, const float* pivot_prob, const float* draft_probs,
-                          const float* uniforms, bool sampling, bool has_classifier, float sigma, float floor_,
-                          const Rule& rule, const float* entropy, const float* top3_entropy, const RowStats* stats,
+                          const int64_t* logit_rows, const float* uniforms, bool has_classifier, const RowRule& r,
+                          float floor_, const float* entropy, const float* top3_entropy, const RowStats* stats,
                           const float* divergence, int64_t k_row, bool* accepted, bool* pivot_accepted) {
   int64_t n = 0;
   bool open = true;
+  const bool sampling = r.sampled;
+  const Rule& rule = r.rule;
   for (int64_t i = 0; i < K; ++i) {
     const int64_t j = b * K + i, d = drafts[j], at = b * (K + 1) + i;
-    const float q = sampling && in_vocab(d, V) ? draft_probs[j * V + d] : 0.0f;
+    const int64_t q_row = logit_rows == nullptr ? j : logit_rows[at];  // the draft's distribution there
+    const float q = sampling && i < k_row && in_vocab(d, V) ? draft_probs[q_row * V + d] : 0.0f;
     const bool exact = exact_accept(sampling, d, argmax[at], sampling ? uniforms[j] : 0.0f, q, token_prob[j]);
     const PositionView view{entropy[at], row_prob(stats[at], stats[at].max), divergence[j], stats[at].above};
-    const bool relaxed = pivot_override(has_classifier, sigma, floor_, pivot_prob[j], token_prob[j]) ||
-                         rule_override(rule, token_prob[j], view) ||
-                         (rule.kind == kRuleFly && in_vocab(d, V) && top3_entropy[at] >= rule.a &&
-                          fly_window_matches(b, i, K, k_row, (int64_t)rule.b, drafts, argmax));
+    const bool relaxed = i >= r.exact_until &&
+                         (pivot_override(has_classifier, r.sigma, floor_, pivot_prob[j], token_prob[j]) ||
+                          rule_override(rule, token_prob[j], view) ||
+                          (rule.kind == kRuleFly && in_vocab(d, V) && top3_entropy[at] >= rule.a &&
+                           fly_window_matches(b, i, K, k_row, (int64_t)rule.b, drafts, argmax)));
     open = open && i < k_row && (exact || relaxed);
     accepted[j] = open;
     pivot_accepted[j] = open && !exact;
