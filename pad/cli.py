@@ -94,6 +94,7 @@ def _generate(args) -> int:
     from .decoding.policy import parse_policy
 
     name = parse_policy(args.policy).name if args.policy else None  # a bad policy fails before loading models
+    _check_generate_options(args, name)
     classifier = _classifier(args) if name == "pivot" or args.classifier else None
     target, tokenizer, draft = _load_pair(args, need_draft=name == "draft" or (
         name != "target" and args.drafter in NEEDS_MODEL))
@@ -121,6 +122,21 @@ def _generate(args) -> int:
     return 0
 
 
+def _check_generate_options(args, name: str | None) -> None:
+    """The generate command's options that cannot go together, refused before anything loads."""
+    from .decoding.generate import option_conflicts
+    from .evaluation.bench import FLAGS
+
+    policy = args.policy or ("pivot" if args.classifier else "exact")
+    flags = {**FLAGS, "policy": "--policy"}
+    for a, b, why in option_conflicts(policy, drafter=args.drafter if name not in ("target", "draft") else None,
+                                      draft_stop=args.draft_stop, num_draft_tokens=args.num_draft_tokens,
+                                      max_draft_tokens=args.max_draft_tokens, temperature=args.temperature,
+                                      judge_free=args.judge_free):
+        named = [f"--policy {policy}" if o == "policy" else flags[o] for o in (a, b)]
+        raise ValueError(f"{named[0]} with {named[1]}: {why}")
+
+
 def _bench(args) -> int:
     import shlex
     from pathlib import Path
@@ -131,6 +147,12 @@ def _bench(args) -> int:
     specs = bench.parse_policies(args.policies)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError("--temperature must be at least 0 and --top-p in (0, 1]")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    for note in bench.check_options(specs, num_draft_tokens=args.num_draft_tokens,
+                                    max_draft_tokens=args.max_draft_tokens, temperature=args.temperature,
+                                    drafter=args.drafter, draft_stop=args.draft_stop, judge_free=args.judge_free):
+        print(f"{PROG}: {note}", file=sys.stderr)
     tasks.check_task(args.task)
     data = tasks.data_path(args.task, args.split, args.data)
     if not 0 <= args.start < args.limit:
@@ -183,9 +205,10 @@ def _bench(args) -> int:
                         args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None,
                         args.batch_size, args.draft_stop, how)
     print(bench.markdown(rows, head))
-    if args.out:
-        for path in bench.write(rows, Path(args.out), stem, head, plot=args.plot):
-            print(f"wrote {path}")
+    written = bench.write(rows, Path(args.out), stem, head, plot=args.plot) if args.out else []
+    for path in written:
+        print(f"wrote {path}")
+    print(bench.summary_line(rows, written[0] if written else None))
     return 0
 
 

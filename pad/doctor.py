@@ -57,6 +57,7 @@ def facts() -> list[tuple[str, str]]:
         source = weights_source()
     except ValueError as e:
         source = f"invalid: {e}"
+    source = source or "not named: a registry name loads the copy cached here"
     lines.append(("weights source", f"{source} ($PAD_WEIGHTS or --weights: hub or index-gguf)"))
     return lines
 

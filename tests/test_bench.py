@@ -504,7 +504,7 @@ def test_sampled_bench_repeats_its_seed_and_logs_it_apart(tmp_path):
     greedy = [json.loads(x) for x in log.read_text().splitlines()][24:]
     assert len(greedy) == 3 and all("temperature" not in r["settings"] for r in greedy)
     for bad in ("fly", "hf-assisted"):
-        with pytest.raises(ValueError, match="greedily only"):
+        with pytest.raises(ValueError, match="in --policies with --temperature"):
             bench.run("gsm8k", problems, target, draft, tok, bench.parse_policies(f"target,{bad}"), **kwargs,
                       temperature=0.7)
 

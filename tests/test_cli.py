@@ -327,7 +327,7 @@ def test_sampled_bench_logs_apart_and_names_its_seed(folders, tmp_path, capsys):
         assert main(args[:-4] + bad) == 2
         assert "--temperature must be at least 0" in capsys.readouterr().err
     assert main(args[:-4] + ["--policies", "target,fly", "--temperature", "0.7"]) == 2
-    assert "decode greedily only" in capsys.readouterr().err
+    assert "in --policies with --temperature" in capsys.readouterr().err
 
 
 def test_retrace_cli_adds_the_divergence_to_an_old_search_folder(folders, tmp_path, capsys):

