@@ -4,6 +4,7 @@ speculative decoding pays on a machine (verification feeds K+1 tokens per forwar
     python bench/forward_cost.py [--model NAME] [--dtype bfloat16] [--max-tokens 8]
     python bench/forward_cost.py --batch 1,2,4,8,16 [--tokens 9] [--prefix 512]
     python bench/forward_cost.py --cost-model [--batch 1,2,4,8,16] [--model NAME]
+    python bench/forward_cost.py --draft-cost [--draft NAME] [--prefix 512]
 
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
 With ``--batch``: for each batch size B, a forward over B rows of one token against B rows of ``--tokens``
@@ -19,6 +20,9 @@ checked against measurements: forwards at every B of ``--batch`` x T in 1, 2, 3,
 then per shape the measured time, the model fitted to what a decode at the largest B probes on its own
 (B = 1 and the largest B, T = 1, 2, 5, 13, S = 128; a decode probes T = 1, 2, 7, 13 at its prompt's width)
 and the model fitted to the whole grid.
+With ``--draft-cost``: what a draft token costs against a target forward over one token, at one row after a
+``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, and the draft's
+forward with int8 weights (``pad.use_int8_weights``), each with its ratio to the target's.
 """
 import argparse
 import platform
@@ -33,7 +37,7 @@ from pad.decoding.decoder import growing_cache
 from pad.decoding.draft_length import ForwardCost, measure
 from pad.decoding.hf import crop_cache, forward_tail, kv_shape, returned_cache
 from pad.machine import median_seconds
-from pad.models.registry import DEFAULT_TARGET, load
+from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
 
 def main():
@@ -46,12 +50,16 @@ def main():
     parser.add_argument("--tokens", type=int, default=9, help="with --batch: new tokens per row (K + 1)")
     parser.add_argument("--prefix", type=int, default=512, help="with --batch: cached columns per row")
     parser.add_argument("--cost-model", action="store_true", help="check the cost model of -k auto (see above)")
+    parser.add_argument("--draft-cost", action="store_true", help="a draft token against a target forward (above)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="with --draft-cost: the draft model")
     args = parser.parse_args()
     model, _ = load(args.model, dtype=args.dtype)
     print(f"{args.model} {args.dtype} | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads | CPU capability {torch.backends.cpu.get_cpu_capability()}")
     if args.cost_model:
         return cost_model(model, [int(b) for b in (args.batch or "1,2,4,8,16").split(",")])
+    if args.draft_cost:
+        return draft_cost(model, load(args.draft, dtype=args.dtype)[0], args.prefix, args.repeats)
     if args.batch:
         return batched(model, [int(b) for b in args.batch.split(",")], args.tokens, args.prefix, args.repeats)
     print("| new tokens | median ms | x one token |\n|---|---|---|")
@@ -70,6 +78,36 @@ def main():
             median = statistics.median(times)
             base = base or median
             print(f"| {n} | {median * 1e3:.1f} | {median / base:.2f} |")
+
+
+def one_token_ms(model, prefix: int, repeats: int) -> float:
+    """Median ms of a forward over one new token at one row after a ``prefix``-token cache."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        cache = returned_cache(model(torch.randint(0, 1000, (1, prefix), generator=g), use_cache=True))
+        ids = torch.randint(0, 1000, (1, 1), generator=g)
+
+        def step():
+            forward_tail(model, ids, 1, cache=cache, use_cache=True)
+            crop_cache(cache, prefix)
+
+        return _median_ms(step, repeats)
+
+
+def draft_cost(target, draft, prefix: int, repeats: int) -> None:
+    import copy
+
+    from pad.decoding.int8 import use_int8_weights
+
+    quant = copy.deepcopy(draft)
+    layers = use_int8_weights(quant)
+    rows = [("target, one token", one_token_ms(target, prefix, repeats)),
+            ("draft as loaded, one token", one_token_ms(draft, prefix, repeats)),
+            (f"draft with int8 weights ({layers} layers), one token", one_token_ms(quant, prefix, repeats))]
+    print(f"one row, {prefix}-column cache, median of {repeats}")
+    print("| forward | ms | x the target's |\n|---|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.1f} | {ms / rows[0][1]:.3f} |")
 
 
 def cost_model(model, sizes: list[int]) -> None:

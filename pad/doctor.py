@@ -43,6 +43,10 @@ def facts() -> list[tuple[str, str]]:
         lines.append(("cpu backend instruction set", "not built (reinstall with pip install --no-build-isolation -e .)"))
     lines.append(("native bf16", "yes: models run in bf16" if native_bf16() else
                   "no: models run in fp32 (bf16 is emulated on this CPU)"))
+    from .decoding import int8
+
+    lines.append(("int8 draft weights", "available (--draft-int8: torch.ops.aten._weight_int8pack_mm)"
+                  if int8.available() else "not in this torch (--draft-int8 is refused)"))
     triton = _version("triton")
     lines.append(("triton", f"{triton}; " + ("runs on the GPU" if gpus and triton != "not installed" else
                                                "no GPU: its kernels run here only in the interpreter (tests)")))

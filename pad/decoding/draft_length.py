@@ -193,6 +193,8 @@ def profile_path(model) -> Path | None:
         return None
     p = next(model.parameters())
     key = f"{identity}|{p.device.type}|{p.dtype}|{torch.get_num_threads()}"
+    if getattr(model, "pad_int8", False):  # int8 weights (pad.decoding.int8): another cost, its own profile
+        key += "|int8"
     return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

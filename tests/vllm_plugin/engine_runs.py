@@ -75,20 +75,22 @@ def plant_fault(fault, faulted: list) -> None:
     plugin.pad_rejection_sample, plugin.decide_step = faulty, watched
 
 
-def skipped(llm) -> int | None:
+def counter(llm, name: str) -> int | None:
+    """One of the plugin's counters of the engine (``relaxed_accepted``, ``relaxed_decisions_skipped``); None
+    when pad does not decide there or its worker is in another process."""
     try:
         acceptance = getattr(vllm_engine.runner(llm).rejection_sampler, "_pad", None)
     except RuntimeError:
         return None
-    return acceptance.relaxed_decisions_skipped if acceptance is not None else None
+    return getattr(acceptance, name) if acceptance is not None else None
+
+
+def skipped(llm) -> int | None:
+    return counter(llm, "relaxed_decisions_skipped")
 
 
 def relaxed_accepted(llm) -> int | None:
-    try:
-        acceptance = getattr(vllm_engine.runner(llm).rejection_sampler, "_pad", None)
-    except RuntimeError:
-        return None
-    return acceptance.relaxed_accepted if acceptance is not None else None
+    return counter(llm, "relaxed_accepted")
 
 
 def main(spec_path, out_path):

@@ -1,0 +1,72 @@
+"""Weight-only int8 linear layers (a draft model's, on the CPU): PyTorch's own int8 packed matmul.
+
+Where lookups miss, a block's time is mostly the draft model's forwards, one per draft token, and at a few rows
+a forward is memory-bound: its weights are read once per token. Int8 weights with one scale per output row (a
+half of bf16's bytes, a quarter of fp32's) are multiplied by bf16 or fp32 activations in
+``torch.ops.aten._weight_int8pack_mm``, PyTorch's own CPU kernel; the output layer, the draft's largest matrix,
+goes too (what it buys: ``python bench/forward_cost.py --draft-cost``, bench/README.md).
+
+Exact decoding stays exact whatever the draft computes: the target decides every token (tests/test_int8.py).
+The draft's proposals, and so the acceptance and speed, change a little; a run log records the draft's weights
+as int8 (``pad-decoding bench --draft-weights int8``), so such runs are never mixed with others.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+BF16_MULTIPLE = 16  # the bf16 kernel's row length must be a multiple of this; other layers compute in fp32
+
+
+class Int8Linear(nn.Module):
+    """An ``nn.Linear`` with int8 weights [out, in] and one scale per output row (symmetric, max-abs / 127):
+    [..., in] -> [..., out] in the activations' dtype (bf16 or fp32)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        scales = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self._cast: dict[torch.dtype, torch.Tensor] = {}  # the scales in each activation dtype, made once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype != torch.float32 and self.in_features % BF16_MULTIPLE:
+            x = x.float()  # the bf16 kernel reads past rows whose length is no multiple of 16 (torch 2.13: a crash)
+        scales = self._cast.get(x.dtype)
+        if scales is None:
+            scales = self._cast[x.dtype] = self.scales.to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales).to(dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def available() -> bool:
+    """Whether this torch has the int8 packed matmul on the CPU."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def use_int8_weights(model: nn.Module) -> int:
+    """Replace every CPU ``nn.Linear`` (bf16 or fp32) of ``model`` with an ``Int8Linear``, the output layer too
+    (a layer registered under two parents is converted once; an input embedding tied to the output layer keeps
+    its own weights). Marks the model (``model.pad_int8 = True``) so that its measured forward costs are kept
+    apart from the unquantized model's. Returns the number of layers replaced (0 where torch lacks the kernel).
+    """
+    if not available():
+        return 0
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear and child.weight.device.type == "cpu"
+             and child.weight.dtype in (torch.float32, torch.bfloat16)]
+    converted = {}
+    for parent, name, child in swaps:
+        if id(child) not in converted:
+            converted[id(child)] = Int8Linear(child)
+        setattr(parent, name, converted[id(child)])
+    if converted:
+        model.pad_int8 = True
+    return len(converted)
