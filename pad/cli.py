@@ -220,7 +220,7 @@ def _bench(args) -> int:
     written = bench.write(rows, Path(args.out), stem, head, plot=args.plot) if args.out else []
     for path in written:
         print(f"wrote {path}")
-    print(bench.summary_line(rows, written[0] if written else None))
+    print(bench.summary_line(rows, next((p for p in written if p.suffix == ".md"), None)))
     return 0
 
 

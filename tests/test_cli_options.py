@@ -117,7 +117,7 @@ def test_hf_baselines_run_at_the_default_k_under_auto(folders, tmp_path, monkeyp
     run = [json.loads(x) for x in next(tmp_path.glob("*.runs.jsonl")).read_text().splitlines()]
     assert {r["settings"]["k"] for r in run if r["policy"] == "hf-assisted"} == {8}
     last = out.strip().splitlines()[-1]
-    assert last.startswith("fastest here: hf-assisted at ") and "x the target" in last and "table: " in last
+    assert last.startswith("fastest here: hf-assisted at ") and "x the target" in last and last.endswith(".md")
 
 
 @pytest.mark.parametrize("args,message", [
