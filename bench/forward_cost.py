@@ -21,8 +21,9 @@ then per shape the measured time, the model fitted to what a decode at the large
 (B = 1 and the largest B, T = 1, 2, 5, 13, S = 128; a decode probes T = 1, 2, 7, 13 at its prompt's width)
 and the model fitted to the whole grid.
 With ``--draft-cost``: what a draft token costs against a target forward over one token, at one row after a
-``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, and the draft's
-forward with int8 weights (``pad.use_int8_weights``), each with its ratio to the target's.
+``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, with int8 weights
+(``pad.use_int8_weights``), with its output layer pruned to the ``--vocab`` most frequent tokens
+(``pad.decoding.vocab_prune``), and with both, each with its ratio to the target's.
 """
 import argparse
 import platform
@@ -52,6 +53,7 @@ def main():
     parser.add_argument("--cost-model", action="store_true", help="check the cost model of -k auto (see above)")
     parser.add_argument("--draft-cost", action="store_true", help="a draft token against a target forward (above)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="with --draft-cost: the draft model")
+    parser.add_argument("--vocab", default="32768", help="with --draft-cost: the pruned heads' sizes (comma-separated)")
     args = parser.parse_args()
     model, _ = load(args.model, dtype=args.dtype)
     print(f"{args.model} {args.dtype} | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
@@ -59,7 +61,8 @@ def main():
     if args.cost_model:
         return cost_model(model, [int(b) for b in (args.batch or "1,2,4,8,16").split(",")])
     if args.draft_cost:
-        return draft_cost(model, load(args.draft, dtype=args.dtype)[0], args.prefix, args.repeats)
+        return draft_cost(model, load(args.draft, dtype=args.dtype)[0], args.prefix, args.repeats,
+                          [int(n) for n in args.vocab.split(",")])
     if args.batch:
         return batched(model, [int(b) for b in args.batch.split(",")], args.tokens, args.prefix, args.repeats)
     print("| new tokens | median ms | x one token |\n|---|---|---|")
@@ -94,16 +97,28 @@ def one_token_ms(model, prefix: int, repeats: int) -> float:
         return _median_ms(step, repeats)
 
 
-def draft_cost(target, draft, prefix: int, repeats: int) -> None:
+def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int]) -> None:
     import copy
 
     from pad.decoding.int8 import use_int8_weights
+    from pad.decoding.vocab_prune import frequent_ids, use_pruned_head
 
-    quant = copy.deepcopy(draft)
-    layers = use_int8_weights(quant)
+    def variant(vocab, int8):
+        model = copy.deepcopy(draft)
+        if vocab:
+            use_pruned_head(model, frequent_ids(vocab))
+        if int8:
+            use_int8_weights(model)
+        return model
+
     rows = [("target, one token", one_token_ms(target, prefix, repeats)),
             ("draft as loaded, one token", one_token_ms(draft, prefix, repeats)),
-            (f"draft with int8 weights ({layers} layers), one token", one_token_ms(quant, prefix, repeats))]
+            ("draft with int8 weights, one token", one_token_ms(variant(None, True), prefix, repeats))]
+    for n in vocabs:
+        rows.append((f"draft scoring the {n} most frequent tokens, one token",
+                     one_token_ms(variant(n, False), prefix, repeats)))
+        rows.append((f"draft scoring the {n} most frequent tokens, int8 weights, one token",
+                     one_token_ms(variant(n, True), prefix, repeats)))
     print(f"one row, {prefix}-column cache, median of {repeats}")
     print("| forward | ms | x the target's |\n|---|---|---|")
     for name, ms in rows:

@@ -41,6 +41,10 @@ def _load_pair(args, need_draft: bool = True):
         return target, tokenizer, None
     draft, draft_tokenizer = load(args.draft, dtype=args.dtype, source=args.weights_source)
     check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
+    if getattr(args, "draft_vocab", None):  # before int8: the pruned rows are quantized as a layer of their own
+        from .decoding.vocab_prune import frequent_ids, use_pruned_head
+
+        use_pruned_head(draft, frequent_ids(args.draft_vocab))
     if getattr(args, "draft_int8", False):
         from .decoding.int8 import use_int8_weights
 
@@ -60,6 +64,9 @@ def _add_models(parser) -> None:
                         help="where registry models come from: hub (the original weights) or index-gguf (Q4_K_M "
                              "GGUF parts from the package index, dequantized to bf16: for machines without the "
                              "hub); default $PAD_WEIGHTS, else the copy cached here")
+    parser.add_argument("--draft-vocab", type=int, metavar="N",
+                        help="the draft scores only the N most frequent tokens (pad/vocab: counts over GSM8K train "
+                             "and Python's standard library); its drafts are tokens of that subset; lossless")
     parser.add_argument("--draft-int8", action="store_true",
                         help="the draft model's linear layers in int8 (weight-only, a scale per output row; CPU): "
                              "cheaper draft tokens; exact decoding stays exact (the target decides)")
@@ -198,12 +205,15 @@ def _bench(args) -> int:
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
             + ("_draftint8" if args.draft_int8 else "")
+            + (f"_vocab{args.draft_vocab}" if args.draft_vocab else "")
             + ("_judgefree" if args.judge_free else "")
             + (f"{sampled}_s{args.seed}" if sampled else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
     if args.draft_int8:  # absent otherwise, so that the logs of unquantized drafts stay valid
         settings["draft_weights"] = "int8"
+    if args.draft_vocab:
+        settings["draft_vocab"] = args.draft_vocab
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,

@@ -137,6 +137,23 @@ def test_draft_free_proposals_sample_like_the_target(small_vocab_pair, monkeypat
     assert _p_value(_generated_pairs(target, draft, prompt, 20_000, backend="torch", drafter=drafter), joint) < ALPHA
 
 
+def test_a_pruned_draft_samples_like_the_target(small_vocab_pair, monkeypatch):
+    """A draft scoring only half the vocabulary (FR-Spec: ``use_pruned_head``, the others at -inf) proposes from
+    a distribution over that half: rejection sampling must still give the target's distribution."""
+    import copy
+
+    from pad.decoding.vocab_prune import use_pruned_head
+
+    target, draft = small_vocab_pair
+    pruned = copy.deepcopy(draft)
+    use_pruned_head(pruned, torch.tensor([0, 2, 4, 6]))
+    prompt = torch.tensor([[1, 5, 2]])
+    joint = _target_joint(target, prompt, 0.8, 0.9)
+    assert _p_value(_generated_pairs(target, pruned, prompt, 20_000), joint) > ALPHA
+    monkeypatch.setattr(ref, "residual_probs", _wrong_residual)
+    assert _p_value(_generated_pairs(target, pruned, prompt, 20_000, backend="torch"), joint) < ALPHA
+
+
 def test_no_top_p_work_when_top_p_is_one(monkeypatch):
     from pad.decoding.sampling import sampling_probs, warp_logits
 

@@ -195,6 +195,8 @@ def profile_path(model) -> Path | None:
     key = f"{identity}|{p.device.type}|{p.dtype}|{torch.get_num_threads()}"
     if getattr(model, "pad_int8", False):  # int8 weights (pad.decoding.int8): another cost, its own profile
         key += "|int8"
+    if getattr(model, "pad_vocab", None):  # a pruned output layer (pad.decoding.vocab_prune): the same
+        key += f"|vocab{model.pad_vocab}"
     return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
