@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .types import (FEATURE_NAMES, ROW_RULE_COLUMNS, RULES, SAMPLING_RULES, AcceptRule, FoldedClassifier,
-                    VerifyResult, Workspace, empty_result)
+                    VerifyResult, Workspace, empty_result, rule_of_row)
 from .verify_ref import verify_block_ref
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "cuda")
@@ -208,10 +208,10 @@ def verify_block(
     where it has none (allowed only at or past the row's own drafts: see ``verify_block_ref``), so a serving
     engine's packed logits are read where they lie, without a copy.
     """
-    B, K = draft_tokens.shape if draft_tokens.dim() == 2 else (-1, -1)
     checked_logits, checked_probs = target_logits, draft_probs
     if logit_rows is not None:
         _check_logit_rows(logit_rows, target_logits, draft_tokens, draft_probs, draft_logits, num_drafts)
+        B, K = draft_tokens.shape
         # Shape checks below see the block as it will be read: zero-stride views, nothing copied.
         checked_logits = target_logits[0].expand(B, K + 1, target_logits.shape[1])
         checked_probs = draft_probs[0].expand(B, K, draft_probs.shape[1]) if draft_probs is not None else None
@@ -264,8 +264,6 @@ def _check_row_rules(row_rules, B: int, temperature: float) -> None:
                          f"(pack_row_rules), got {row_rules.dtype} {tuple(row_rules.shape)}")
     if row_rules.device.type != "cpu" or torch.compiler.is_compiling():
         return  # a GPU check would sync the host: pack_row_rules builds them checked
-    from .types import rule_of_row
-
     for b in range(B):
         code = row_rules[b, 0].item()
         if code != int(code) or not 0 <= code < len(RULES):

@@ -94,11 +94,14 @@ def option_conflicts(policy, *, drafter=None, draft_stop=None, num_draft_tokens=
     return out
 
 
-def _check_exact_parts(exact_prefix, judge_free) -> None:
+def _check_options(policy: Policy, exact_prefix, judge_free, **options) -> None:
+    """generate's option types, then the first of ``option_conflicts`` (``options``: its keywords)."""
     if not isinstance(exact_prefix, int) or isinstance(exact_prefix, bool) or exact_prefix < 0:
         raise ValueError(f"exact_prefix must be an integer >= 0, got {exact_prefix!r}")
     if not isinstance(judge_free, bool):
         raise ValueError(f"judge_free must be True or False, got {judge_free!r}")
+    for _, _, why in option_conflicts(policy, judge_free=judge_free, **options):
+        raise ValueError(why)
 
 
 def _drafter(policy: Policy, drafter, draft, target, draft_stop) -> Drafter | None:
@@ -242,11 +245,8 @@ def generate(
     policy, rule = parsed.name, parsed.rule
     if parsed.sigma is not None:
         sigma = parsed.sigma
-    _check_exact_parts(exact_prefix, judge_free)
-    for _, _, why in option_conflicts(parsed, drafter=drafter, draft_stop=draft_stop,
-                                      num_draft_tokens=num_draft_tokens, max_draft_tokens=max_draft_tokens,
-                                      temperature=temperature, judge_free=judge_free):
-        raise ValueError(why)
+    _check_options(parsed, exact_prefix, judge_free, drafter=drafter, draft_stop=draft_stop, temperature=temperature,
+                   num_draft_tokens=num_draft_tokens, max_draft_tokens=max_draft_tokens)
     check_rule(rule, temperature)  # the rule's settings (a greedy-only rule with sampling: option_conflicts)
     num_draft_tokens = _draft_length(num_draft_tokens, max_draft_tokens)
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
