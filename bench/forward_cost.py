@@ -5,6 +5,7 @@ speculative decoding pays on a machine (verification feeds K+1 tokens per forwar
     python bench/forward_cost.py --batch 1,2,4,8,16 [--tokens 9] [--prefix 512]
     python bench/forward_cost.py --cost-model [--batch 1,2,4,8,16] [--model NAME]
     python bench/forward_cost.py --draft-cost [--draft NAME] [--prefix 512]
+    python bench/forward_cost.py --block-sweep [--batch 1,4,16] [--prefix 512]
 
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
 With ``--batch``: for each batch size B, a forward over B rows of one token against B rows of ``--tokens``
@@ -22,8 +23,13 @@ then per shape the measured time, the model fitted to what a decode at the large
 and the model fitted to the whole grid.
 With ``--draft-cost``: what a draft token costs against a target forward over one token, at one row after a
 ``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, with int8 weights
-(``pad.use_int8_weights``), with its output layer pruned to the ``--vocab`` most frequent tokens
-(``pad.decoding.vocab_prune``), and with both, each with its ratio to the target's.
+(``pad.use_int8_weights``), with pad's fused attention, with its output layer pruned to each of the ``--vocab``
+most frequent tokens (``pad.decoding.vocab_prune``), with int8 weights and each pruned head, and with all three
+(``pad.use_fast_draft``, the ``--fast-draft`` of the command line), each with its ratio to the target's.
+With ``--block-sweep``: a verification block's forward over T = 1..64 new tokens per row at each B of
+``--batch`` (default 1, 4, 16) after a ``--prefix``-column cache (random keys and values in transformers' cache,
+as decoding keeps the target's): milliseconds, the ratio to T = 1 (what a block of K = T - 1 drafts costs
+beyond a plain step) and milliseconds per token, the curve up to which longer blocks can pay.
 """
 import argparse
 import platform
@@ -54,6 +60,7 @@ def main():
     parser.add_argument("--draft-cost", action="store_true", help="a draft token against a target forward (above)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="with --draft-cost: the draft model")
     parser.add_argument("--vocab", default="32768", help="with --draft-cost: the pruned heads' sizes (comma-separated)")
+    parser.add_argument("--block-sweep", action="store_true", help="blocks of T = 1..64 tokens per row (above)")
     args = parser.parse_args()
     model, _ = load(args.model, dtype=args.dtype)
     print(f"{args.model} {args.dtype} | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
@@ -63,6 +70,8 @@ def main():
     if args.draft_cost:
         return draft_cost(model, load(args.draft, dtype=args.dtype)[0], args.prefix, args.repeats,
                           [int(n) for n in args.vocab.split(",")])
+    if args.block_sweep:
+        return block_sweep(model, [int(b) for b in (args.batch or "1,4,16").split(",")], args.prefix, args.repeats)
     if args.batch:
         return batched(model, [int(b) for b in args.batch.split(",")], args.tokens, args.prefix, args.repeats)
     print("| new tokens | median ms | x one token |\n|---|---|---|")
@@ -100,25 +109,24 @@ def one_token_ms(model, prefix: int, repeats: int) -> float:
 def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int]) -> None:
     import copy
 
-    from pad.decoding.int8 import use_int8_weights
-    from pad.decoding.vocab_prune import frequent_ids, use_pruned_head
+    from pad.decoding.fast_draft import use_fast_draft
 
-    def variant(vocab, int8):
+    def variant(vocab, int8, fused=False):
         model = copy.deepcopy(draft)
-        if vocab:
-            use_pruned_head(model, frequent_ids(vocab))
-        if int8:
-            use_int8_weights(model)
+        use_fast_draft(model, vocab=vocab, int8=int8, fused_attention=fused)
         return model
 
     rows = [("target, one token", one_token_ms(target, prefix, repeats)),
             ("draft as loaded, one token", one_token_ms(draft, prefix, repeats)),
-            ("draft with int8 weights, one token", one_token_ms(variant(None, True), prefix, repeats))]
+            ("draft with int8 weights, one token", one_token_ms(variant(None, True), prefix, repeats)),
+            ("draft with the fused attention, one token", one_token_ms(variant(None, False, True), prefix, repeats))]
     for n in vocabs:
         rows.append((f"draft scoring the {n} most frequent tokens, one token",
                      one_token_ms(variant(n, False), prefix, repeats)))
         rows.append((f"draft scoring the {n} most frequent tokens, int8 weights, one token",
                      one_token_ms(variant(n, True), prefix, repeats)))
+        rows.append((f"draft scoring the {n} most frequent tokens, int8 weights, fused attention, one token",
+                     one_token_ms(variant(n, True, True), prefix, repeats)))
     print(f"one row, {prefix}-column cache, median of {repeats}")
     print("| forward | ms | x the target's |\n|---|---|---|")
     for name, ms in rows:
@@ -147,6 +155,34 @@ def cost_model(model, sizes: list[int]) -> None:
 
 def _median_ms(fn, repeats: int) -> float:
     return median_seconds(fn, repeats) * 1e3
+
+
+SWEEP_TOKENS = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65)
+
+
+def block_sweep(model, sizes: list[int], prefix: int, repeats: int) -> None:
+    print(f"prefix {prefix} cached columns per row; median of {repeats}")
+    print("| B | T | ms | x T = 1 | ms per token |\n|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    layers, heads, head_dim = kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    with torch.inference_mode():
+        for B in sizes:
+            data = [tuple(torch.randn(B, heads, prefix, head_dim, generator=g).to(dtype) for _ in "kv")
+                    for _ in range(layers)]
+            cache = DynamicCache(ddp_cache_data=data)
+            base = None
+            for t in SWEEP_TOKENS:
+                ids = torch.randint(0, 1000, (B, t), generator=g)
+
+                def forward():
+                    forward_tail(model, ids, t, cache=cache, use_cache=True)
+                    crop_cache(cache, prefix)
+
+                forward()  # a new shape's first forward also sets kernels up
+                ms = _median_ms(forward, repeats)
+                base = base or ms
+                print(f"| {B} | {t} | {ms:.1f} | {ms / base:.2f} | {ms / (B * t):.2f} |", flush=True)
 
 
 def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> None:

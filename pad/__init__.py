@@ -2,6 +2,7 @@
 __version__ = "0.1.0"
 
 from .decoding.attention import use_gqa_sdpa
+from .decoding.fast_draft import use_fast_draft
 from .decoding.generate import POLICIES, GenerationResult, generate
 from .decoding.int8 import use_int8_weights
 from .decoding.onednn import use_onednn_linear
@@ -10,4 +11,4 @@ from .decoding.stats import GenerationStats
 from .models.classifier import PivotClassifier
 
 __all__ = ["POLICIES", "GenerationResult", "GenerationStats", "PivotClassifier", "Policy", "generate", "parse_policy",
-           "use_gqa_sdpa", "use_int8_weights", "use_onednn_linear", "__version__"]
+           "use_fast_draft", "use_gqa_sdpa", "use_int8_weights", "use_onednn_linear", "__version__"]

@@ -11,6 +11,7 @@ import threading
 
 from .decoding.drafters import NAMES as DRAFTERS
 from .decoding.drafters import NEEDS_MODEL
+from .decoding.fast_draft import DEFAULT_VOCAB as FAST_DRAFT_VOCAB
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
 from .errors import PadError
@@ -41,17 +42,28 @@ def _load_pair(args, need_draft: bool = True):
         return target, tokenizer, None
     draft, draft_tokenizer = load(args.draft, dtype=args.dtype, source=args.weights_source)
     check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
-    if getattr(args, "draft_vocab", None):  # before int8: the pruned rows are quantized as a layer of their own
-        from .decoding.vocab_prune import frequent_ids, use_pruned_head
+    changes = _draft_changes(args)
+    if changes:
+        from .decoding.fast_draft import use_fast_draft
 
-        use_pruned_head(draft, frequent_ids(args.draft_vocab))
-    if getattr(args, "draft_int8", False):
-        from .decoding.int8 import use_int8_weights
-
-        if not use_int8_weights(draft):
-            raise ValueError("--draft-int8: this torch has no int8 packed matmul (torch.ops.aten._weight_int8pack_mm) "
-                             "for the draft's layers here (CPU, bf16 or fp32)")
+        use_fast_draft(draft, vocab=changes.get("draft_vocab"), int8="draft_weights" in changes,
+                       fused_attention="draft_attention" in changes)
     return target, tokenizer, draft
+
+
+def _draft_changes(args) -> dict:
+    """What --fast-draft, --draft-vocab, --draft-int8 and --draft-attention change in the draft, as the settings a
+    run log records for them (``pad.decoding.fast_draft.use_fast_draft`` returns the same)."""
+    fast = getattr(args, "fast_draft", False)
+    changes = {}
+    vocab = getattr(args, "draft_vocab", None) or (FAST_DRAFT_VOCAB if fast else None)
+    if vocab:
+        changes["draft_vocab"] = vocab
+    if fast or getattr(args, "draft_int8", False):
+        changes["draft_weights"] = "int8"
+    if fast or getattr(args, "draft_attention", "sdpa") == "fused":
+        changes["draft_attention"] = "fused"
+    return changes
 
 
 def _add_models(parser) -> None:
@@ -70,6 +82,12 @@ def _add_models(parser) -> None:
     parser.add_argument("--draft-int8", action="store_true",
                         help="the draft model's linear layers in int8 (weight-only, a scale per output row; CPU): "
                              "cheaper draft tokens; exact decoding stays exact (the target decides)")
+    parser.add_argument("--draft-attention", choices=("sdpa", "fused"), default="sdpa",
+                        help="the draft's attention: transformers' SDPA, or pad's fused CPU kernel (faster one token "
+                             "at a time over a long cache; lossless: the target decides)")
+    parser.add_argument("--fast-draft", action="store_true",
+                        help=f"the cheapest draft on a CPU: --draft-int8 --draft-attention fused --draft-vocab "
+                             f"{FAST_DRAFT_VOCAB} (another --draft-vocab N overrides it); exact decoding stays exact")
 
 
 def _add_task(parser, split: str) -> None:
@@ -193,6 +211,7 @@ def _bench(args) -> int:
             classifier.check_target(target)
         return target, draft
 
+    changes = _draft_changes(args)
     sampled = f"_t{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") if args.temperature else ""
     # One log for any --limit (and, when sampling, any --seed: its records say theirs).
     runs = f"{args.task}_{args.split}_k{args.num_draft_tokens}_{args.dtype}{sampled}"
@@ -204,16 +223,14 @@ def _bench(args) -> int:
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
-            + ("_draftint8" if args.draft_int8 else "")
-            + (f"_vocab{args.draft_vocab}" if args.draft_vocab else "")
+            + ("_draftint8" if "draft_weights" in changes else "")
+            + (f"_vocab{changes['draft_vocab']}" if "draft_vocab" in changes else "")
+            + ("_draftfused" if "draft_attention" in changes else "")
             + ("_judgefree" if args.judge_free else "")
             + (f"{sampled}_s{args.seed}" if sampled else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,
                 "weights": _weights(args), "dtype": args.dtype}
-    if args.draft_int8:  # absent otherwise, so that the logs of unquantized drafts stay valid
-        settings["draft_weights"] = "int8"
-    if args.draft_vocab:
-        settings["draft_vocab"] = args.draft_vocab
+    settings.update(changes)  # each absent when unchanged, so that the logs of unchanged drafts stay valid
     rows = bench.run(args.task, problems, None, None, tokenizer, specs, models=models,
                      num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                      classifier=classifier, floor=args.floor, settings=settings, batch_size=args.batch_size,

@@ -166,8 +166,8 @@ class Spy:
         self.decoders = []
         real_init, real_forward = pad.decoding.decoder.Decoder.__init__, pad.decoding.decoder.Decoder.forward
 
-        def init(dec, model, vocab, rows):
-            real_init(dec, model, vocab, rows)
+        def init(dec, model, vocab, rows, **kwargs):
+            real_init(dec, model, vocab, rows, **kwargs)
             dec.spy_tokens = torch.zeros((rows, 0), dtype=torch.long)  # token id of every cache column
             dec.spy_rows = list(range(rows))  # call row of each batch row
             self.decoders.append(dec)
@@ -277,8 +277,8 @@ def test_tokens_fed_per_row_without_reprefill(monkeypatch):
 
     real_init = pad.decoding.decoder.Decoder.__init__
 
-    def init(dec, model, vocab, rows):
-        real_init(dec, model, vocab, rows)
+    def init(dec, model, vocab, rows, **kwargs):
+        real_init(dec, model, vocab, rows, **kwargs)
         dec.spy_rows = list(range(rows))
         decs.append(dec)
 

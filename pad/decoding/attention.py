@@ -9,11 +9,13 @@ same attention with ``enable_gqa=True`` in those forwards; everything else goes 
 ``sdpa`` function unchanged. Same mask, same scale, same kernel family: only the copy is gone.
 
 ``use_gqa_sdpa(model, fused_cpu=True)`` goes one step further on the CPU: forwards of a few new tokens per
-row over a masked cache run ``pad_kernels.attention.gqa_attention`` (a C++ kernel that reads each
-key/value head once for all the query heads and tokens it serves), the rest as above. Its fp32 sums differ from
-SDPA's in rounding only, which in bf16 can flip a near-tied argmax, so the decode path that benchmark run
-logs record keeps SDPA (switching it is a new ``DECODE_VERSION``); the search labeler, whose decisions are
-taken on the text at hand whichever kernel computed it, takes the fused one.
+row over a masked cache, and of one token per row over any cache (a draft model's steps), run
+``pad_kernels.attention.gqa_attention`` (a C++ kernel that reads each key/value head once for all the query
+heads and tokens it serves), the rest as above. Its fp32 sums differ from SDPA's in rounding only, which in
+bf16 can flip a near-tied argmax, so the target keeps SDPA in the decode that run logs record (switching it is
+a new ``DECODE_VERSION``); the search labeler, whose decisions are taken on the text at hand whichever kernel
+computed it, and a draft model under ``pad.use_fast_draft``, whose proposals the target checks, take the
+fused one.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def fused_cpu_attention(module, query, key, value, attention_mask, dropout: floa
     from pad_kernels import attention
 
     special = any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "sinks", "s_aux"))
+    if attention_mask is None and query.shape[2] == 1:  # one new token without holes: it sees every column
+        attention_mask = torch.ones((query.shape[0], 1, 1, key.shape[2]), dtype=torch.bool, device=query.device)
     if (dropout == 0.0 and not special and attention.available()
             and attention.supports(query, key, value, attention_mask)):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling

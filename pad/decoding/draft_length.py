@@ -37,7 +37,10 @@ PRIOR_TRIALS = 4.0
 # Trials of earlier calls (same models, policy and sampling settings, this process) a new call starts from,
 # scaled down to this many so that its own blocks soon outweigh them.
 REMEMBERED_TRIALS = 64.0
-DEFAULT_MAX_DRAFT_TOKENS = 12
+# The most a block drafts under -k auto: a block of 33 tokens at one row costs 1.8 target steps on a 2-core CPU
+# (bench/README.md, --block-sweep), which pays where lookups match long spans; where it does not, the
+# chooser stops sooner by itself.
+DEFAULT_MAX_DRAFT_TOKENS = 32
 # Speculating (K > 0) must beat a plain target step by more than the chooser's own recent error in predicting
 # block times (mean |predicted - measured| / measured over the last blocks); before enough blocks were timed,
 # by this much.
@@ -197,6 +200,8 @@ def profile_path(model) -> Path | None:
         key += "|int8"
     if getattr(model, "pad_vocab", None):  # a pruned output layer (pad.decoding.vocab_prune): the same
         key += f"|vocab{model.pad_vocab}"
+    if getattr(model, "pad_attention", None):  # pad's fused attention (pad.decoding.fast_draft): the same
+        key += f"|attention-{model.pad_attention}"
     return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
