@@ -23,9 +23,10 @@ then per shape the measured time, the model fitted to what a decode at the large
 and the model fitted to the whole grid.
 With ``--draft-cost``: what a draft token costs against a target forward over one token, at one row after a
 ``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, with int8 weights
-(``pad.use_int8_weights``), with pad's fused attention, with its output layer pruned to each of the ``--vocab``
-most frequent tokens (``pad.decoding.vocab_prune``), with int8 weights and each pruned head, and with all three
-(``pad.use_fast_draft``, the ``--fast-draft`` of the command line), each with its ratio to the target's.
+(``pad.use_int8_weights``), with pad's fused attention, with both (``pad.use_fast_draft``, the ``--fast-draft`` of
+the command line), with its output layer pruned to each of the ``--vocab`` most frequent tokens
+(``pad.decoding.vocab_prune``), with int8 weights and each pruned head, and with all three, each with its ratio to
+the target's.
 With ``--block-sweep``: a verification block's forward over T = 1..64 new tokens per row at each B of
 ``--batch`` (default 1, 4, 16) after a ``--prefix``-column cache (random keys and values in transformers' cache,
 as decoding keeps the target's): milliseconds, the ratio to T = 1 (what a block of K = T - 1 drafts costs
@@ -119,7 +120,9 @@ def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int]) -> N
     rows = [("target, one token", one_token_ms(target, prefix, repeats)),
             ("draft as loaded, one token", one_token_ms(draft, prefix, repeats)),
             ("draft with int8 weights, one token", one_token_ms(variant(None, True), prefix, repeats)),
-            ("draft with the fused attention, one token", one_token_ms(variant(None, False, True), prefix, repeats))]
+            ("draft with the fused attention, one token", one_token_ms(variant(None, False, True), prefix, repeats)),
+            ("draft with int8 weights and the fused attention (--fast-draft), one token",
+             one_token_ms(variant(None, True, True), prefix, repeats))]
     for n in vocabs:
         rows.append((f"draft scoring the {n} most frequent tokens, one token",
                      one_token_ms(variant(n, False), prefix, repeats)))

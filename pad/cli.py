@@ -11,7 +11,6 @@ import threading
 
 from .decoding.drafters import NAMES as DRAFTERS
 from .decoding.drafters import NEEDS_MODEL
-from .decoding.fast_draft import DEFAULT_VOCAB as FAST_DRAFT_VOCAB
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
 from .errors import PadError
@@ -56,7 +55,7 @@ def _draft_changes(args) -> dict:
     run log records for them (``pad.decoding.fast_draft.use_fast_draft`` returns the same)."""
     fast = getattr(args, "fast_draft", False)
     changes = {}
-    vocab = getattr(args, "draft_vocab", None) or (FAST_DRAFT_VOCAB if fast else None)
+    vocab = getattr(args, "draft_vocab", None)
     if vocab:
         changes["draft_vocab"] = vocab
     if fast or getattr(args, "draft_int8", False):
@@ -86,8 +85,8 @@ def _add_models(parser) -> None:
                         help="the draft's attention: transformers' SDPA, or pad's fused CPU kernel (faster one token "
                              "at a time over a long cache; lossless: the target decides)")
     parser.add_argument("--fast-draft", action="store_true",
-                        help=f"the cheapest draft on a CPU: --draft-int8 --draft-attention fused --draft-vocab "
-                             f"{FAST_DRAFT_VOCAB} (another --draft-vocab N overrides it); exact decoding stays exact")
+                        help="the cheapest draft on a CPU: --draft-int8 --draft-attention fused (with the whole "
+                             "vocabulary: pruning it lost more acceptance than it saved); exact decoding stays exact")
 
 
 def _add_task(parser, split: str) -> None:

@@ -11,7 +11,6 @@ import torch
 import pad
 from pad.cli import _draft_changes
 from pad.decoding.hf import forward_tail, returned_cache
-from pad.decoding.fast_draft import DEFAULT_VOCAB
 from pad_kernels import attention
 from tiny import greedy_from_scratch, tiny_model, tiny_pair
 
@@ -72,16 +71,16 @@ def test_each_change_alone_and_what_the_cli_records(monkeypatch):
     model = tiny_model("qwen2", vocab=QWEN_VOCAB, seed=25)
     assert pad.use_fast_draft(copy.deepcopy(model), vocab=None, int8=False, fused_attention=False) == {}
     assert pad.use_fast_draft(copy.deepcopy(model), vocab=64, int8=False, fused_attention=False) == {"draft_vocab": 64}
-    assert pad.use_fast_draft(copy.deepcopy(model), vocab=0, fused_attention=False) == {"draft_weights": "int8"}
+    assert pad.use_fast_draft(copy.deepcopy(model), fused_attention=False) == {"draft_weights": "int8"}
 
     def flags(**kw):
         return argparse.Namespace(**{"fast_draft": False, "draft_vocab": None, "draft_int8": False,
                                      "draft_attention": "sdpa", **kw})
 
     assert _draft_changes(flags()) == {}
-    full = {"draft_vocab": DEFAULT_VOCAB, "draft_weights": "int8", "draft_attention": "fused"}
+    full = {"draft_weights": "int8", "draft_attention": "fused"}
     assert _draft_changes(flags(fast_draft=True)) == full
-    assert _draft_changes(flags(fast_draft=True, draft_vocab=4096)) == {**full, "draft_vocab": 4096}
+    assert _draft_changes(flags(fast_draft=True, draft_vocab=4096)) == {"draft_vocab": 4096, **full}
     assert _draft_changes(flags(draft_attention="fused")) == {"draft_attention": "fused"}
     assert _draft_changes(flags(draft_int8=True, draft_vocab=8)) == {"draft_vocab": 8, "draft_weights": "int8"}
 

@@ -1,26 +1,24 @@
-"""A draft model made cheap on the CPU: the three changes behind ``--fast-draft``, each also its own flag.
+"""A draft model made cheap on the CPU: what ``--fast-draft`` changes, each change also its own flag.
 
 Where lookups miss, a block's time is mostly the draft's forwards, one per draft token. At a few rows such a
 forward reads all the draft's weights once (memory-bound), and one new token's attention over a long cache in
 SDPA's CPU kernel costs about as much again as the layers' matmuls at 16 rows. ``use_fast_draft`` changes:
 
-- the output layer to the ``vocab`` most frequent tokens (``pad.decoding.vocab_prune``; first, so that its
-  rows are quantized as a layer of their own),
 - the linear layers to int8 weights (``pad.decoding.int8``),
 - attention to pad's fused CPU kernel (``pad.decoding.attention``, ``fused_cpu=True``), which reads each
-  key/value head once for every query head it serves.
+  key/value head once for every query head it serves,
+- with ``vocab`` N only, the output layer to the N most frequent tokens (``pad.decoding.vocab_prune``; first,
+  so that its rows are quantized as a layer of their own). Not by default: on GSM8K and HumanEval replies
+  pruning cost more acceptance than it saved time (bench/README.md, "What a draft token costs").
 
 None changes what exact decoding returns: the target decides every token (tests/test_fast_draft.py). They
 change the draft's proposals a little, so a run log records each (``settings``), and ``-k auto`` keeps their
-measured costs apart from the unchanged draft's. What each buys: bench/README.md, "What a draft token costs".
+measured costs apart from the unchanged draft's.
 """
 from __future__ import annotations
 
-DEFAULT_VOCAB = 16384  # the pruned head's size --fast-draft takes (bench/README.md: acceptance against cost)
 
-
-def use_fast_draft(model, vocab: int | None = DEFAULT_VOCAB, int8: bool = True, fused_attention: bool = True,
-                   ) -> dict:
+def use_fast_draft(model, vocab: int | None = None, int8: bool = True, fused_attention: bool = True) -> dict:
     """Apply the changes named (``vocab`` None or 0: keep the whole output layer) to ``model`` in place; returns
     what was applied as a run log's settings: ``{"draft_vocab": N, "draft_weights": "int8", "draft_attention":
     "fused"}`` (keys only for what changed). Raises ValueError where this torch or build lacks a piece asked for
