@@ -4,9 +4,11 @@ weights, the pruned head, pad's fused attention, a cache that grows in place), p
 
     python bench/draft_profile.py [--batch 1,16] [--prefix 512] [--steps 8] [--rows 8]
 
-Per batch size and configuration: milliseconds per draft step (median over blocks, unprofiled) and the
-profile's top operators by self CPU time with their share. With B > 1 the rows are ragged (left padding), so
-the draft's forwards carry an attention mask, as in a batch.
+Per batch size and configuration: milliseconds per draft step (median over blocks, unprofiled), then the draft
+steps of two more blocks under the profiler (the prefill left out): the top ATen operators by self CPU time,
+milliseconds per step, and the rest of a step's wall time, which no ATen operator took (Python, transformers'
+code, and pad's fused attention, a C++ call outside ATen's dispatcher). With B > 1 the rows are ragged (left
+padding), so the draft's forwards carry an attention mask, as in a batch.
 """
 import argparse
 import copy
@@ -20,8 +22,10 @@ from pad.decoding.fast_draft import use_fast_draft
 from pad.models.registry import DEFAULT_DRAFT, load
 
 
-def blocks(model, rows: int, prefix: int, steps: int, grow: bool, repeats: int, profiler=None) -> float:
-    """Median ms per draft step over ``repeats`` blocks of ``steps`` steps after a ``prefix``-column prefill."""
+def blocks(model, rows: int, prefix: int, steps: int, grow: bool, repeats: int, profile: bool = False):
+    """Median ms per draft step over ``repeats`` blocks of ``steps`` steps after a ``prefix``-column prefill, and
+    with ``profile`` the profiler that watched the steps (else None)."""
+    import contextlib
     g = torch.Generator().manual_seed(0)
     decoder = Decoder(model, model.config.vocab_size, rows, grow_in_place=grow)
     fed = torch.ones(rows, prefix, dtype=torch.bool)
@@ -29,16 +33,17 @@ def blocks(model, rows: int, prefix: int, steps: int, grow: bool, repeats: int, 
     times = []
     with torch.inference_mode():
         decoder.forward(torch.randint(0, 1000, (rows, prefix), generator=g), fed, 1)
-        for _ in range(repeats):
-            ids, one = torch.randint(0, 1000, (rows, 1), generator=g), torch.ones(rows, 1, dtype=torch.bool)
-            start = time.perf_counter()
-            for _ in range(steps):
-                ids = decoder.forward(ids, one, 1)[:, -1].argmax(-1, keepdim=True)
-                if profiler is not None:
-                    profiler.step()
-            times.append((time.perf_counter() - start) / steps)
-            decoder.drop(torch.ones(rows, steps, dtype=torch.bool))  # rejected: the next block starts alike
-    return statistics.median(times) * 1e3
+        watch = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile
+                 else contextlib.nullcontext())
+        with watch:
+            for _ in range(repeats):
+                ids, one = torch.randint(0, 1000, (rows, 1), generator=g), torch.ones(rows, 1, dtype=torch.bool)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    ids = decoder.forward(ids, one, 1)[:, -1].argmax(-1, keepdim=True)
+                times.append((time.perf_counter() - start) / steps)
+                decoder.drop(torch.ones(rows, steps, dtype=torch.bool))  # rejected: the next block starts alike
+    return statistics.median(times) * 1e3, watch if profile else None
 
 
 def main():
@@ -59,15 +64,17 @@ def main():
     for rows in [int(b) for b in args.batch.split(",")]:
         for name, model, grow in (("as loaded", loaded, False), ("--fast-draft", fast, True)):
             blocks(model, rows, args.prefix, args.steps, grow, 1)  # warm-up
-            ms = blocks(model, rows, args.prefix, args.steps, grow, args.repeats)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                blocks(model, rows, args.prefix, args.steps, grow, 2)
+            ms, _ = blocks(model, rows, args.prefix, args.steps, grow, args.repeats)
+            profiled, prof = blocks(model, rows, args.prefix, args.steps, grow, 2, profile=True)
             events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-            total = sum(e.self_cpu_time_total for e in events)
-            print(f"\nB = {rows}, draft {name}: {ms:.1f} ms a draft step")
-            print("| operator | self CPU share | calls per step |\n|---|---|---|")
-            for e in events[: args.rows]:
-                print(f"| `{e.key}` | {e.self_cpu_time_total / total:.1%} | {e.count / (2 * args.steps):.0f} |")
+            per_step = [(e.key, e.self_cpu_time_total / 1e3 / (2 * args.steps), e.count / (2 * args.steps))
+                        for e in events]
+            print(f"\nB = {rows}, draft {name}: {ms:.1f} ms a draft step ({profiled:.1f} ms profiled)")
+            print("| operator | ms per step | calls per step |\n|---|---|---|")
+            for key, op_ms, calls in per_step[: args.rows]:
+                print(f"| `{key}` | {op_ms:.2f} | {calls:.0f} |")
+            print(f"| no ATen operator (Python, transformers, pad's attention kernel) | "
+                  f"{profiled - sum(m for _, m, _ in per_step):.2f} | |")
 
 
 if __name__ == "__main__":

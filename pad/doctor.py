@@ -45,8 +45,14 @@ def facts() -> list[tuple[str, str]]:
                   "no: models run in fp32 (bf16 is emulated on this CPU)"))
     from .decoding import int8
 
+    from pad_kernels import attention
+
     lines.append(("int8 draft weights", "available (--draft-int8: torch.ops.aten._weight_int8pack_mm)"
                   if int8.available() else "not in this torch (--draft-int8 is refused)"))
+    lines.append(("fused draft attention", "available (--draft-attention fused: pad's C++ CPU kernel)"
+                  if attention.available() else "not built (--draft-attention fused is refused)"))
+    lines.append(("--fast-draft", "available (int8 weights and fused attention)"
+                  if int8.available() and attention.available() else "refused here (a piece above is missing)"))
     triton = _version("triton")
     lines.append(("triton", f"{triton}; " + ("runs on the GPU" if gpus and triton != "not installed" else
                                                "no GPU: its kernels run here only in the interpreter (tests)")))
