@@ -160,6 +160,15 @@ def _median_ms(fn, repeats: int) -> float:
     return median_seconds(fn, repeats) * 1e3
 
 
+def random_cache(model, rows: int, columns: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer random (keys, values) [rows, H, columns, D] in the model's dtype: a forward's time does not depend
+    on them, and a prefill that long takes minutes on a CPU."""
+    layers, heads, head_dim = kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    return [tuple(torch.randn(rows, heads, columns, head_dim, generator=g).to(dtype) for _ in "kv")
+            for _ in range(layers)]
+
+
 SWEEP_TOKENS = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65)
 
 
@@ -167,13 +176,9 @@ def block_sweep(model, sizes: list[int], prefix: int, repeats: int) -> None:
     print(f"prefix {prefix} cached columns per row; median of {repeats}")
     print("| B | T | ms | x T = 1 | ms per token |\n|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
-    layers, heads, head_dim = kv_shape(model)
-    dtype = next(model.parameters()).dtype
     with torch.inference_mode():
         for B in sizes:
-            data = [tuple(torch.randn(B, heads, prefix, head_dim, generator=g).to(dtype) for _ in "kv")
-                    for _ in range(layers)]
-            cache = DynamicCache(ddp_cache_data=data)
+            cache = DynamicCache(ddp_cache_data=random_cache(model, B, prefix, g))
             base = None
             for t in SWEEP_TOKENS:
                 ids = torch.randint(0, 1000, (B, t), generator=g)
@@ -193,12 +198,9 @@ def batched(model, sizes: list[int], tokens: int, prefix: int, repeats: int) -> 
     print(f"| B | B x 1 token, ms | grown in place, ms | B x {tokens} tokens, ms | grown in place, ms | ratio "
           f"| ms per row and block | cache copy, ms | half the cache masked, ms |\n|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
-    layers, heads, head_dim = kv_shape(model)
-    dtype = next(model.parameters()).dtype
     with torch.inference_mode():
         for B in sizes:
-            data = [tuple(torch.randn(B, heads, prefix, head_dim, generator=g).to(dtype) for _ in "kv")
-                    for _ in range(layers)]
+            data = random_cache(model, B, prefix, g)
             cache, grown = DynamicCache(ddp_cache_data=data), growing_cache(data)
 
             def forward(n, mask=None, cache=cache):
