@@ -1,6 +1,6 @@
 """Where a draft model's time goes while it drafts: K one-token steps of the draft as ``ModelDrafter`` runs them
 (``Decoder`` forwards, argmax), as loaded (SDPA, transformers' cache) and as ``--fast-draft`` runs it (int8
-weights, the pruned head, pad's fused attention, a cache that grows in place), profiled with torch.profiler.
+weights, pad's fused attention, a cache that grows in place), profiled with torch.profiler.
 
     python bench/draft_profile.py [--batch 1,16] [--prefix 512] [--steps 8] [--rows 8]
 
@@ -11,6 +11,7 @@ code, and pad's fused attention, a C++ call outside ATen's dispatcher). With B >
 padding), so the draft's forwards carry an attention mask, as in a batch.
 """
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -25,7 +26,6 @@ from pad.models.registry import DEFAULT_DRAFT, load
 def blocks(model, rows: int, prefix: int, steps: int, grow: bool, repeats: int, profile: bool = False):
     """Median ms per draft step over ``repeats`` blocks of ``steps`` steps after a ``prefix``-column prefill, and
     with ``profile`` the profiler that watched the steps (else None)."""
-    import contextlib
     g = torch.Generator().manual_seed(0)
     decoder = Decoder(model, model.config.vocab_size, rows, grow_in_place=grow)
     fed = torch.ones(rows, prefix, dtype=torch.bool)

@@ -43,9 +43,9 @@ def facts() -> list[tuple[str, str]]:
         lines.append(("cpu backend instruction set", "not built (reinstall with pip install --no-build-isolation -e .)"))
     lines.append(("native bf16", "yes: models run in bf16" if native_bf16() else
                   "no: models run in fp32 (bf16 is emulated on this CPU)"))
-    from .decoding import int8
-
     from pad_kernels import attention
+
+    from .decoding import int8
 
     lines.append(("int8 draft weights", "available (--draft-int8: torch.ops.aten._weight_int8pack_mm)"
                   if int8.available() else "not in this torch (--draft-int8 is refused)"))

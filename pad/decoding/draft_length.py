@@ -37,8 +37,8 @@ PRIOR_TRIALS = 4.0
 # Trials of earlier calls (same models, policy and sampling settings, this process) a new call starts from,
 # scaled down to this many so that its own blocks soon outweigh them.
 REMEMBERED_TRIALS = 64.0
-# The most a block drafts under -k auto: a block of 33 tokens at one row costs 1.8 target steps on a 2-core CPU
-# (bench/README.md, --block-sweep), which pays where lookups match long spans; where it does not, the
+# The most a block drafts under -k auto: at one row a block of 33 tokens costs a small multiple of a one-token
+# step (bench/README.md, --block-sweep), which pays where lookups match long spans; where it does not, the
 # chooser stops sooner by itself.
 DEFAULT_MAX_DRAFT_TOKENS = 32
 # Speculating (K > 0) must beat a plain target step by more than the chooser's own recent error in predicting

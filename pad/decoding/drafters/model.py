@@ -32,7 +32,7 @@ class ModelDrafter:
 
     def start(self, batch, sampling: Sampling, device: torch.device, needs_logits: bool = False) -> None:
         # Its cache grows in place: a draft step feeds one token a row, where transformers' cache would copy the
-        # whole cache (at 16 rows about a tenth of an int8 draft's step: bench/README.md).
+        # whole cache every step (bench/README.md, "What a draft token costs").
         self.decoder = Decoder(self.model, batch.vocab, len(batch), grow_in_place=True)
         self.sampling, self.device, self.needs_logits = sampling, device, needs_logits
         self.pending = [list(p) for p in batch.prompts]  # committed tokens the model has not seen, per batch row
