@@ -257,6 +257,8 @@ def _label(args) -> int:
     tasks.check_task(args.task)
     if args.method == "search" and (args.only_draft_wrong or args.rollouts):
         raise ValueError("--only-draft-wrong and --rollouts belong to --method rollout (the default is search)")
+    if args.method != "search" and args.drafter != "model":
+        raise ValueError("--drafter lookup|suffix labels with --method search (rollouts label the draft model's tokens)")
     shard = label.parse_shard(args.shard)
     problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
     skip = set()  # read before the models load: a bad folder fails at once
@@ -293,7 +295,8 @@ def _label(args) -> int:
 
         outcomes = [tasks.token_outcome(tokenizer, args.task, problem) for problem in problems]
         scfg = search.SearchConfig(layer=args.layer, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                                    lookahead=args.lookahead)
+                                    lookahead=args.lookahead, drafter=args.drafter,
+                                    proposal_tokens=args.proposal_tokens)
         summary = search.run(problems, prompts, outcomes, target, draft, args.out, scfg, shard=shard, meta=meta,
                              start=args.start, skip=skip)
     else:
@@ -520,6 +523,12 @@ def _add_label_command(sub) -> None:
                          "batched across problems (pad.pivots.search); rollout: continuations from the target's own "
                          "greedy text (pad.pivots.label)")
     lb.add_argument("--batch", type=int, default=16, help="search: continuations decoded together")
+    lb.add_argument("--drafter", choices=("model", "lookup", "suffix"), default="model",
+                    help="search: whose proposals are judged: the draft model's greedy token at each position, or "
+                         "a draft-free drafter's blocks as decoding proposes them (hybrid's draft-free rows are "
+                         "lookup's proposals with a match of 2 or more)")
+    lb.add_argument("--proposal-tokens", type=int, default=16,
+                    help="search with a draft-free --drafter: a proposal's most tokens (its block's K)")
     lb.add_argument("--lookahead", type=int, default=4,
                     help="search: tokens guessed per continuation and step from the text it branched from "
                          "(0: none; the tokens are greedy decoding's either way)")

@@ -262,6 +262,29 @@ def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folde
     assert (right["label"] <= same["label"]).all()  # a right answer turned wrong always changed the answer
 
 
+def test_label_by_search_on_lookup_proposals_records_their_source(folders, tmp_path, capsys):
+    from pad.pivots import search, train
+
+    out = tmp_path / "lookup"
+    argv = ["label", "--method", "search", "--drafter", "lookup", "--proposal-tokens", "6", "--task", "gsm8k",
+            "--data", SAMPLE, "--limit", "3", "--max-new-tokens", "40", "--target", str(folders / "target"),
+            "--draft", str(folders / "draft"), "--dtype", "float32", "--layer", "-1", "--batch", "3", "--out", str(out)]
+    assert main(argv) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["drafter"] == "lookup" and meta["proposal_tokens"] == 6
+    data, _ = train.load_shards([out])
+    assert len(data["label"]) > 0
+    assert (data["source"] == search.SOURCE_IDS["lookup"]).all() and (data["offset"] >= 0).all()
+    assert (data["offset"] < 6).all() and (data["match"] >= 1).all()
+    capsys.readouterr()
+    # Rollouts label the draft model's tokens only; another drafter in the same folder is refused.
+    rollout = [a if a != "search" else "rollout" for a in argv[:-1]] + [str(tmp_path / "r")]
+    assert main(rollout) == 2
+    assert "--drafter lookup|suffix labels with --method search" in capsys.readouterr().err
+    assert main([a if a != "lookup" else "suffix" for a in argv]) == 2
+    assert "labeled with other settings" in capsys.readouterr().err
+
+
 def test_bench_start_skips_the_problems_before_it(folders, tmp_path, capsys):
     args = ["bench", "--task", "gsm8k", "--data", SAMPLE, "--policies", "target", "--max-new-tokens", "4",
             "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--dtype", "float32",

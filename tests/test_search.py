@@ -2,12 +2,16 @@
 a plain, cacheless walk of the rule takes, batched or not, and a killed job resumes without loss."""
 
 import copy
+import json
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from pad.decoding.attention import FUSED_NAME, use_gqa_sdpa
+from pad.decoding.drafters import LookupDrafter, Sampling, SuffixDrafter
 from pad.decoding.hf import LayerCapture, eos_ids
 from pad.decoding.onednn import use_onednn_linear
 from pad.evaluation.tasks import Problem
@@ -128,9 +132,101 @@ def test_on_onednn_linear_layers_it_writes_what_it_writes_on_dense_ones(setup, t
     assert read_labels(tmp_path / "onednn")[1]  # decisions were taken
 
 
-@pytest.mark.parametrize("killed_at", [1 / 4, 1 / 2, 3 / 4])
-def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path, monkeypatch, killed_at):
+FREE = {"lookup": LookupDrafter, "suffix": SuffixDrafter}
+
+
+@torch.inference_mode()
+def _free_walk(target, prompt: list[int], max_new: int, layer: int, drafter: str, k: int):
+    """The block rule of a draft-free drafter, written plainly: at each block's start a new drafter reads
+    prompt + text so far; the first draft unlike the text is a decision; a harmless one keeps the block going
+    over the continuation, a pivot ends it; a block whose drafts all match ends with the target's token."""
+    eos = eos_ids(target, None)
+    text = greedy_from_scratch(target, prompt, max_new, eos)
+    key, correct = _outcome(text)
+    t, block, decisions = 0, None, []
+    while t < len(text):
+        if block is None:
+            fresh = FREE[drafter]()
+            fresh.start(SimpleNamespace(prompts=[prompt + text[:t]]), Sampling(), torch.device("cpu"))
+            tokens, n = fresh.matches(k)[0]
+            block = (t, tokens, n) if tokens else None
+            t += not tokens
+            continue
+        start, tokens, n = block
+        j = t - start
+        if j == len(tokens) or tokens[j] == text[t]:
+            block = None if j == len(tokens) else block
+            t += 1
+            continue
+        d = tokens[j]
+        tail = [] if d in eos or max_new - t - 1 == 0 else greedy_from_scratch(target, prompt + text[:t] + [d],
+                                                                               max_new - t - 1, eos)
+        new = text[:t] + [d] + tail
+        capture = LayerCapture(target, layer)
+        capture.keep = 2
+        res = verify_block(target(torch.tensor([prompt + text[:t] + [d]])).logits[:, -2:], torch.tensor([[d]]))
+        capture.remove()
+        new_key, new_correct = _outcome(new)
+        decisions.append({"position": t, "same_answer": int(new_key == key), "correct_before": int(correct),
+                          "correct_after": int(new_correct), "hidden": capture.value[0, 0],
+                          "token_prob": res.token_prob[0, 0], "entropy": res.entropy[0, 0],
+                          "source": search.SOURCE_IDS[drafter], "match": n, "offset": j})
+        if new_key == key:
+            text, correct = new, new_correct
+        else:
+            block = None
+        t += 1
+    return text, decisions
+
+
+@pytest.mark.parametrize("drafter", sorted(FREE))
+def test_search_on_draft_free_proposals_takes_the_decisions_of_the_block_rule(setup, tmp_path, drafter):
     target, draft, problems, prompts = setup
+    # (24 tokens: the tiny model's texts repeat enough there for suffix's matches to miss both ways)
+    cfg = search.SearchConfig(layer=-1, max_new_tokens=24, batch=4, drafter=drafter, proposal_tokens=4)
+    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path, cfg, progress=False)
+    index, tensors = read_labels(tmp_path)
+    assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)
+    kinds = switched = inside = 0
+    for problem, prompt in zip(problems, prompts):
+        text, decisions = _free_walk(target, prompt[0].tolist(), cfg.max_new_tokens, cfg.layer, drafter, 4)
+        t = tensors.get(problem.id, {})
+        assert len(decisions) == (len(t["position"]) if t else 0), problem.id
+        if not decisions:
+            continue
+        assert int(t["generated"]) == len(text)
+        for name in ("position", "same_answer", "correct_before", "correct_after", "source", "match", "offset"):
+            assert t[name].tolist() == [d[name] for d in decisions], (problem.id, name)
+        for name in ("hidden", "token_prob", "entropy"):
+            want = torch.stack([torch.as_tensor(d[name]).float() for d in decisions]).half().float()
+            torch.testing.assert_close(t[name].float(), want, rtol=2e-3, atol=2e-3)
+        # A proposal is deterministic (probability 1, entropy 0), and has no distribution to diverge from.
+        assert t["draft_prob"].tolist() == [1.0] * len(decisions) and not t["draft_entropy"].any()
+        assert all(math.isnan(x) for x in t["divergence"].tolist())
+        kinds += len(set(t["same_answer"].tolist())) == 2
+        switched += any(d["same_answer"] for d in decisions[:-1])
+        inside += any(d["offset"] > 0 for d in decisions)  # a decision past a proposal's first token
+    assert kinds > 0 and switched > 0 and inside > 0
+    assert summary["records"] == sum(len(t["position"]) for t in tensors.values())
+    assert json.loads((tmp_path / "meta.json").read_text())["drafter"] == drafter
+
+
+def test_search_config_refuses_an_unknown_drafter():
+    with pytest.raises(ValueError, match="unknown drafter 'ngram'"):
+        search.SearchConfig(drafter="ngram")
+    with pytest.raises(ValueError, match="proposal_tokens"):
+        search.SearchConfig(drafter="lookup", proposal_tokens=0)
+    # A folder labeled on the model's drafts records no drafter (folders from before draft-free drafters resume).
+    assert "drafter" not in search.SearchConfig().settings()
+
+
+# (the draft-free drafters' texts hold fewer decisions: killed late, the last problem is still in its greedy text)
+@pytest.mark.parametrize("drafter,killed_at", [("model", k) for k in (1 / 4, 1 / 2, 3 / 4)]
+                         + [(d, k) for d in sorted(FREE) for k in (1 / 3, 2 / 3)])
+def test_killed_job_resumes_without_loss_or_duplicates(setup, tmp_path, monkeypatch, killed_at, drafter):
+    target, draft, problems, prompts = setup
+    CFG = search.SearchConfig(layer=-1, max_new_tokens=14 if drafter == "model" else 24, batch=4, drafter=drafter,
+                              proposal_tokens=4)
     total = {"n": 0}
 
     def counting(tokens):

@@ -56,6 +56,12 @@ from .label import LabelWriter, problems_to_do, shard_indices, softmax_stats
 CRITERIA = ("same-answer", "correct")
 
 
+# Whose proposals a search labels: the draft model's greedy token at every position, or a draft-free drafter's
+# blocks (``pad.decoding.drafters``, each problem's drafter reading its own context only).
+DRAFTERS = ("model", "lookup", "suffix")
+SOURCE_IDS = {name: i for i, name in enumerate(DRAFTERS)}  # the records' ``source``
+
+
 @dataclass
 class SearchConfig:
     layer: int = -8
@@ -63,9 +69,25 @@ class SearchConfig:
     batch: int = 16  # continuation rows decoded together
     lookahead: int = 4  # tokens guessed per row and step from the text a continuation branched from
     method: str = "search"
+    drafter: str = "model"
+    proposal_tokens: int = 16  # a draft-free proposal's most tokens (its block's K)
 
     # Neither changes a record (rows decode as they would alone, guesses only save forwards).
     SPEED_ONLY = ("batch", "lookahead")
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {self.drafter!r} for search labels; choose one of {', '.join(DRAFTERS)}")
+        if self.proposal_tokens < 1:
+            raise ValueError(f"proposal_tokens must be at least 1, got {self.proposal_tokens}")
+
+    def settings(self) -> dict:
+        """What a folder records (and a resumed run must match): not the speed settings, nor the drafter's
+        where it is the model (folders labeled before draft-free drafters existed say nothing of them)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in self.SPEED_ONLY}
+        if self.drafter == "model":
+            del out["drafter"], out["proposal_tokens"]
+        return out
 
 
 def pivot_labels(tensors: dict, criterion: str) -> torch.Tensor:
@@ -98,6 +120,15 @@ class _Problem:
     # The draft's logits [V] at the positions scored where it disagrees with the text, until their decision.
     draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
+    # A draft-free drafter's state: the drafter (its context: prompt + text[:free_upto]), and the block it
+    # proposed last (``proposal`` for text positions proposal_start.., its match length), as decoding runs it.
+    free: object = None
+    free_upto: int = 0
+    proposal: list[int] = field(default_factory=list)
+    proposal_start: int = 0
+    proposal_match: int = 0
+    # What the record of the decision in flight takes from its proposal (draft prob and entropy, source ...).
+    pending: dict = field(default_factory=dict)
 
 
 # Text positions the draft scores per pass. Mismatches come about every 16 tokens, and a harmless
@@ -170,8 +201,10 @@ def _draft_extend(draft, vocab: int, p: _Problem, end: int) -> None:
     p.draft_entropy += entropy.tolist()
 
 
-def _next_decision(draft, vocab: int, p: _Problem, max_new_tokens: int) -> Job | None:
+def _next_decision(draft, vocab: int, p: _Problem, cfg: SearchConfig) -> Job | None:
     """The job of the problem's next decision, or None when its text holds no more mismatches."""
+    if cfg.drafter != "model":
+        return _next_free_decision(p, cfg)
     t = p.pos
     while t < len(p.text):
         if t >= len(p.draft_top):
@@ -181,13 +214,64 @@ def _next_decision(draft, vocab: int, p: _Problem, max_new_tokens: int) -> Job |
         t += 1
     else:
         return None
+    return _decision_job(p, t, p.draft_top[t], p.draft_logits.pop(t), cfg.max_new_tokens,
+                         draft_prob=p.draft_prob[t], draft_entropy=p.draft_entropy[t], source=SOURCE_IDS["model"],
+                         match=0, offset=-1)
+
+
+def _next_free_decision(p: _Problem, cfg: SearchConfig) -> Job | None:
+    """As ``_next_decision`` for a draft-free drafter, walking the text block by block as decoding does: a
+    block starts with the drafter's proposal from the text before it (none: a plain target step); its first
+    token unlike the text is the decision; a block whose tokens all match ends with the target's bonus token.
+    After a harmless decision the same block goes on over the continuation; after a pivot (the target's
+    token instead) the next block starts after it (``run``)."""
+    t = p.pos
+    while t < len(p.text):
+        if not p.proposal:  # no block running at t: one starts here
+            _propose(p, t, cfg)
+            t += not p.proposal
+            continue
+        j = t - p.proposal_start
+        if j == len(p.proposal):  # the block's bonus token; the next block starts after it
+            p.proposal = []
+            t += 1
+            continue
+        if p.proposal[j] != p.text[t]:
+            return _decision_job(p, t, p.proposal[j], None, cfg.max_new_tokens, draft_prob=1.0, draft_entropy=0.0,
+                                 source=SOURCE_IDS[cfg.drafter], match=p.proposal_match, offset=j)
+        t += 1
+    return None
+
+
+def _propose(p: _Problem, t: int, cfg: SearchConfig) -> None:
+    """The problem's drafter proposes a block for text positions t.. from prompt + text[:t] (its own context
+    only: a suffix drafter keeps no counts across problems here, so a problem's labels do not depend on which
+    problems finished before it)."""
+    from types import SimpleNamespace
+
+    from ..decoding.drafters import LookupDrafter, Sampling, SuffixDrafter
+
+    if p.free is None:
+        p.free = LookupDrafter() if cfg.drafter == "lookup" else SuffixDrafter()
+        p.free.start(SimpleNamespace(prompts=[p.prompt]), Sampling(), torch.device("cpu"))
+        p.free_upto = 0
+    # A block starts at or after the last one: the text before it never changes again.
+    p.free.commit(None, None, [0], [p.text[p.free_upto : t]])
+    p.free_upto = t
+    (p.proposal, p.proposal_match), p.proposal_start = p.free.matches(cfg.proposal_tokens)[0], t
+
+
+def _decision_job(p: _Problem, t: int, token: int, logits: torch.Tensor | None, max_new_tokens: int,
+                  **record) -> Job:
+    """The job of a decision at text position t on draft ``token`` (``logits``: the draft's there, for the
+    divergence); ``record``: what the decision's record takes from the proposal. The walk stands at t."""
     full = p.prompt + p.text
     n = len(p.prompt) + t - 1  # the token preceding the decision: fed with the draft token after it
     c = min(n, _cached(p))  # cached columns kept; the job feeds the text from there (a resumed problem's)
     prefix = None if c == 0 else _first_columns(p.cache, c)
-    return Job(key=(p.index, t), prefix=prefix, first=[*full[c : n + 1], p.draft_top[t]],
-               budget=max_new_tokens - t - 1, draft_token=p.draft_top[t], draft_logits=p.draft_logits.pop(t),
-               lookup=p.text[t:])
+    p.pos, p.pending = t, record
+    return Job(key=(p.index, t), prefix=prefix, first=[*full[c : n + 1], token], budget=max_new_tokens - t - 1,
+               draft_token=token, draft_logits=logits, lookup=p.text[t:])
 
 
 def _first_columns(cache: tuple, n: int, copy: bool = False) -> tuple:
@@ -202,7 +286,9 @@ def _cached(p: _Problem) -> int:
 
 
 _RECORD_FLOATS = ("token_prob", "entropy", "divergence", "draft_prob", "draft_entropy")
-_RECORD_INTS = ("position", "same_answer", "correct_before", "correct_after")
+_RECORD_INTS = ("position", "same_answer", "correct_before", "correct_after", "source", "match", "offset")
+# Records saved before draft-free drafters existed: the draft model's, at no place in a proposal.
+PROPOSAL_DEFAULTS = {"source": SOURCE_IDS["model"], "match": 0, "offset": -1}
 
 
 class _Partial:
@@ -224,7 +310,9 @@ class _Partial:
         t = {k: v for k, v in _tensors(p).items() if k not in ("label", "generated", "mismatches")}
         text, pos = (p.text, p.pos) if greedy is None else (greedy, -1)
         t.update(text=torch.tensor(text, dtype=torch.int32), pos=torch.tensor([pos], dtype=torch.int32),
-                 seconds=torch.tensor([seconds], dtype=torch.float64))
+                 seconds=torch.tensor([seconds], dtype=torch.float64),
+                 proposal=torch.tensor(p.proposal, dtype=torch.int32),
+                 proposal_at=torch.tensor([p.proposal_start, p.proposal_match], dtype=torch.int32))
         tmp = self.path(p.index).with_suffix(".tmp")
         save_file(t, str(tmp))
         os.replace(tmp, self.path(p.index))
@@ -238,11 +326,14 @@ class _Partial:
             return None
         t = load_file(str(self.path(p.index)))
         p.text, p.pos = t["text"].tolist(), int(t["pos"])
+        if "proposal" in t:
+            p.proposal = t["proposal"].tolist()
+            p.proposal_start, p.proposal_match = t["proposal_at"].tolist()
         for r in range(len(t.get("position", []))):
             # (a record saved before the labeler stored the divergence has NaN there)
             p.records.append({"hidden": t["hidden"][r],
                               **{k: float(t[k][r]) if k in t else math.nan for k in _RECORD_FLOATS},
-                              **{k: int(t[k][r]) for k in _RECORD_INTS}})
+                              **{k: int(t[k][r]) if k in t else PROPOSAL_DEFAULTS[k] for k in _RECORD_INTS}})
         return float(t["seconds"])
 
     def remove(self, index: int) -> None:
@@ -264,6 +355,9 @@ def _tensors(p: _Problem) -> dict[str, torch.Tensor]:
         "same_answer": col("same_answer", torch.int8),
         "correct_before": col("correct_before", torch.int8),
         "correct_after": col("correct_after", torch.int8),
+        "source": col("source", torch.int8),  # SOURCE_IDS
+        "match": col("match", torch.int32),  # a draft-free proposal's match length (lookup: n-gram; suffix: depth)
+        "offset": col("offset", torch.int32),  # the token's place in its proposal (-1: the model's, none)
         "generated": torch.tensor([len(p.text)], dtype=torch.int32),
         "mismatches": torch.tensor([len(p.records)], dtype=torch.int32),
     }
@@ -305,7 +399,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
     # Speed settings change no record: a folder may resume with others.
     writer = LabelWriter(out_dir, shard, {**(meta or {}),
-                                          **{k: v for k, v in cfg.__dict__.items() if k not in cfg.SPEED_ONLY}})
+                                          **cfg.settings()})
     partial = _Partial(out_dir)
     todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
     finished = writer.done | skip  # a checkpoint of a problem finished here or elsewhere is never resumed
@@ -350,7 +444,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                 partial.save(p, time.perf_counter() - p.started, greedy=p.text + job.generated)
 
     def advance(p: _Problem) -> None:
-        job = _next_decision(draft, vocab, p, cfg.max_new_tokens)
+        job = _next_decision(draft, vocab, p, cfg)
         if job is not None:
             engine.submit(job)
             partial.save(p, time.perf_counter() - p.started)
@@ -376,20 +470,23 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
                     p.cache = done.cache
                     p.key, p.correct = p.outcome(p.text)
                     _draft_forget(p, 0)
+                    p.free, p.proposal = None, []
                 else:
                     new = p.text[:t] + [done.job.draft_token] + done.job.generated
                     key, correct = p.outcome(new)
                     f = done.features
+                    # (no divergence against a draft-free proposal: it has no distribution)
                     p.records.append({"hidden": f["hidden"], "token_prob": f["token_prob"], "entropy": f["entropy"],
-                                      "divergence": f["divergence"],
-                                      "draft_prob": p.draft_prob[t], "draft_entropy": p.draft_entropy[t],
-                                      "position": t, "same_answer": int(key == p.key),
+                                      "divergence": f.get("divergence", math.nan), **p.pending, "position": t,
+                                      "same_answer": int(key == p.key),
                                       "correct_before": int(p.correct), "correct_after": int(correct)})
                     if key == p.key:  # harmless: the continuation becomes the text
                         p.text, p.cache, p.correct = new, done.cache, correct
                         _draft_forget(p, t)
-                    elif _cached(p) < len(p.prompt) + t:  # a pivot: keep what the job fed of the text
-                        p.cache = _first_columns(done.cache, len(p.prompt) + t, copy=True)
+                    else:  # a pivot: the target's token ends the block; keep what the job fed of the text
+                        p.proposal = []
+                        if _cached(p) < len(p.prompt) + t:
+                            p.cache = _first_columns(done.cache, len(p.prompt) + t, copy=True)
                     p.pos = t + 1
                 decisions += t not in _TEXT_JOBS
                 advance(p)

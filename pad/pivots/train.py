@@ -62,13 +62,14 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
     ``divergence`` comes from the files, or for folders labeled before it was stored from their retrace
     (``pad.pivots.retrace``), with NaN where a decision has none.
 
-    A problem labeled in more than one folder is taken from the first, so no position counts twice.
+    A problem labeled in more than one folder is taken from the first, so no position counts twice; folders
+    of different drafters (meta ``drafter``, ``pad.pivots.search``) judge different proposals and are all read.
     Folders of the search method keep both outcomes of each decision; ``criterion`` picks the label
     (``pad.pivots.search.pivot_labels``). ``only`` (problem ids, for example a report's ``problem_ids``)
     reads those problems alone.
     """
     from .retrace import FOLDER, retraced
-    from .search import pivot_labels
+    from .search import PROPOSAL_DEFAULTS, pivot_labels
 
     from safetensors.torch import load_file
 
@@ -78,7 +79,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
         if not (d / "meta.json").is_file():
             raise FileNotFoundError(f"{d} is not a pad label folder (meta.json is missing)")
         metas.append(json.loads((d / "meta.json").read_text()))
-        retraced_here = retraced(d)
+        retraced_here, drafter = retraced(d), metas[-1].get("drafter", "model")
         for index in sorted(d.glob("index-*.jsonl")):
             for line in index.read_text().splitlines():
                 if not line.strip():
@@ -87,8 +88,8 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
                 if only is not None and rec["problem"] not in only:
                     continue
                 read.add(rec["problem"])
-                if rec["file"] and rec["problem"] not in seen:
-                    seen.add(rec["problem"])
+                if rec["file"] and (drafter, rec["problem"]) not in seen:
+                    seen.add((drafter, rec["problem"]))
                     t = load_file(str(d / rec["file"]))
                     if "divergence" not in t and rec["problem"] in retraced_here:
                         t["divergence"] = load_file(str(d / FOLDER / Path(rec["file"]).name))["divergence"]
@@ -107,6 +108,11 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
     keys = ["hidden", "token_prob", "entropy", "label", "problem"]
     keys += [k for k in ("draft_prob", "draft_entropy", *OUTCOMES, *WALKS) if all(k in p for p in parts)]
     data = {k: torch.cat([p[k] for p in parts]) for k in keys}
+    # Where each decision's proposal came from: folders from before draft-free drafters hold the model's only.
+    for name, default in PROPOSAL_DEFAULTS.items():
+        data[name] = torch.cat([p[name].to(torch.int32) if name in p else torch.full(p["label"].shape, default,
+                                                                                      dtype=torch.int32)
+                                for p in parts])
     if any("divergence" in p for p in parts):  # NaN where a decision has none (not retraced, or lost)
         data["divergence"] = torch.cat([p.get("divergence", torch.full(p["label"].shape, math.nan, dtype=torch.float16))
                                         for p in parts])
