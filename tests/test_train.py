@@ -9,10 +9,12 @@ from pad.cli import main
 from pad.pivots import label, train
 
 
-def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a"):
-    """Shards like pad label writes, where the label is a linear function of the hidden state."""
+def _planted(out, problems=40, per_problem=25, H=16, seed=0, prefix="a", drafter=None):
+    """Shards like pad label writes, where the label is a linear function of the hidden state (``drafter``:
+    a search folder of that drafter's proposals)."""
     g = torch.Generator().manual_seed(seed)
-    writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2})
+    meta = {"task": "synthetic", "target": "t", "draft": "d", "layer": -2}
+    writer = label.LabelWriter(out, (0, 1), meta if drafter is None else {**meta, "drafter": drafter})
     direction = torch.randn(H, generator=torch.Generator().manual_seed(123))  # the same plane in every folder
     for i in range(problems):
         hidden = torch.randn(per_problem, H, generator=g) * 3 + 1.0
@@ -91,6 +93,28 @@ def test_report_counts_one_held_out_problem(tmp_path):
     text = train.report_markdown({**report, "label_meta": meta})
     assert "from 6 problems (" in text and "from 1 problem (" in text and "7 problems read" in text
     assert f"at epoch {report['best_epoch']} of {report['epochs_run']} run" in text and "Cross-validated" not in text
+
+
+def test_folders_of_two_drafters_are_both_read_and_folds_keep_a_problem_whole(tmp_path, monkeypatch):
+    _planted(tmp_path / "model", problems=12)
+    _planted(tmp_path / "lookup", problems=12, seed=1, drafter="lookup")  # the same problem ids, other decisions
+    data, meta = train.load_shards([tmp_path / "model", tmp_path / "lookup"])
+    assert data["hidden"].shape == (2 * 12 * 25, 16) and meta["problems_read"] == 12
+    # Each drafter's walk of a problem is one contiguous run (the replay walks it); both share the problem's group.
+    runs = torch.unique_consecutive(data["problem"])
+    assert len(runs) == len(data["problem"].unique()) == 24
+    assert len(data["group"].unique()) == 12
+    assert torch.equal(data["group"][: 12 * 25], data["group"][12 * 25 :])
+    assert (data["source"] == 0).all()  # hand-made records without a source: the model's defaults
+    fits, real_train = [], train.train
+    monkeypatch.setattr(train, "train", lambda part, *a, **k: fits.append(part) or real_train(part, *a, **k))
+    train.cross_validate(data, meta, train.TrainConfig(epochs=5), folds=3, progress=False)
+    left_out = []
+    for part in fits[:3]:  # each fold trains on whole problems: both drafters' walks of a problem, or neither
+        groups = part["group"].unique()
+        assert torch.equal(part["problem"].unique(), data["problem"][torch.isin(data["group"], groups)].unique())
+        left_out += sorted(set(data["group"].tolist()) - set(groups.tolist()))
+    assert sorted(left_out) == sorted(set(data["group"].tolist()))  # each problem left out once
 
 
 def test_cross_validation_scores_every_position_once_without_seeing_it(tmp_path, monkeypatch):

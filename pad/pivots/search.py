@@ -13,6 +13,10 @@ entropy), and both outcomes (same answer; correct before and after), so that eit
 from one run. Problems the target answers wrong are labeled too. (Folders labeled before the divergence was
 stored get it from ``pad.pivots.retrace``.)
 
+With a draft-free drafter (``SearchConfig.drafter`` lookup or suffix) the proposals are that drafter's blocks as
+decoding makes them (``_next_free_decision``), and each record says where its token came from (``source``,
+``match``, ``offset``): the classifier can then be trained and measured on every kind of proposal.
+
 The continuations of many problems run as rows of one batch (``pad.pivots.continuations``): a problem's next
 decision joins as soon as its last one finished, from the cache of its current text (never prefilled again; a
 job feeds only what its cache lacks, see below). The draft's teacher-forced pass over a text is cached per

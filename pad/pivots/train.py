@@ -97,7 +97,11 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
                         t["label"] = pivot_labels(t, criterion)
                     if "position" in t and "generated" in t:  # for replay.tokens_per_forward
                         t["text_length"] = t["generated"].expand(len(t["label"])).clone()
-                    t["problem"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(rec["problem"].encode())
+                    # problem: one walk (a problem's decisions under one drafter, contiguous: the replay walks
+                    # it); group: the problem, whichever drafter (splits and folds keep a problem's walks together)
+                    walk = rec["problem"] if drafter == "model" else f"{drafter}/{rec['problem']}"
+                    t["problem"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(walk.encode())
+                    t["group"] = torch.full_like(t["label"], 0, dtype=torch.int64) + zlib.crc32(rec["problem"].encode())
                     parts.append(t)
     keys = ("target", "draft", "weights", "layer")
     for m in metas[1:]:
@@ -105,7 +109,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
             raise ValueError(f"label folders disagree on {keys}: {metas[0]} vs {m}")
     if not parts:
         raise ValueError(f"no labeled positions in {', '.join(map(str, dirs))}")
-    keys = ["hidden", "token_prob", "entropy", "label", "problem"]
+    keys = ["hidden", "token_prob", "entropy", "label", "problem", "group"]
     keys += [k for k in ("draft_prob", "draft_entropy", *OUTCOMES, *WALKS) if all(k in p for p in parts)]
     data = {k: torch.cat([p[k] for p in parts]) for k in keys}
     # Where each decision's proposal came from: folders from before draft-free drafters hold the model's only.
@@ -262,10 +266,10 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
     torch.manual_seed(cfg.seed)
     hidden, features = _inputs(data, cfg.features)
     labels = data["label"].long()
-    problems = data["problem"].unique()
+    problems = data["group"].unique()
     g = torch.Generator().manual_seed(cfg.seed)
     held = problems[torch.randperm(len(problems), generator=g)[: max(1, round(cfg.heldout * len(problems)))]]
-    is_held = torch.isin(data["problem"], held)
+    is_held = torch.isin(data["group"], held)
     tr, ho = ~is_held, is_held
     if labels[tr].unique().numel() < 2:
         raise ValueError("the training split needs both pivots and non-pivots")
@@ -282,7 +286,7 @@ def train(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), progress: bo
     fit = {}
     if cfg.model == "linear":
         xs = ((x.double() - clf.input_mean.double()) / clf.input_scale.double())
-        l2, table = _choose_l2(xs[tr], labels[tr], data["problem"][tr], cfg)
+        l2, table = _choose_l2(xs[tr], labels[tr], data["group"][tr], cfg)
         w, b = _logistic(xs[tr], labels[tr], l2)
         with torch.no_grad():
             clf.linear.weight.copy_(w[None].float())
@@ -338,14 +342,14 @@ def out_of_fold(data: dict, meta: dict, cfg: TrainConfig, folds: int, progress: 
     the folds of problems depend only on the problems and ``cfg.seed``."""
     from tqdm.auto import tqdm
 
-    problems = data["problem"].unique()
+    problems = data["group"].unique()
     if not 2 <= folds <= len(problems):
         raise ValueError(f"cross-validation needs 2 <= folds <= problems with labels ({len(problems)}), got {folds}")
     g = torch.Generator().manual_seed(cfg.seed + 1)
     groups = problems[torch.randperm(len(problems), generator=g)].tensor_split(folds)
     prob = torch.full(data["label"].shape, math.nan)
     for group in tqdm(groups, desc="cross-validate", unit="fold", disable=not progress):
-        test = torch.isin(data["problem"], group)
+        test = torch.isin(data["group"], group)
         try:
             clf, _ = train({k: v[~test] for k, v in data.items()}, meta, cfg, progress=False)
         except ValueError as e:
@@ -374,9 +378,9 @@ def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: 
     scores = {"without": out_of_fold(sub, meta, replace(cfg, features=()), folds, progress),
               "with": out_of_fold(sub, meta, replace(cfg, features=(name,)), folds, progress),
               name: sub[name].float()}
-    boot = bootstrap(scores, labels, sub["problem"], "without", cfg.bootstrap, cfg.seed)
+    boot = bootstrap(scores, labels, sub["group"], "without", cfg.bootstrap, cfg.seed)
     return {"feature": name, "model": cfg.model, "folds": folds, "positions": int(known.sum()),
-            "positions_without_it": int((~known).sum()), "problems": len(sub["problem"].unique()),
+            "positions_without_it": int((~known).sum()), "problems": len(sub["group"].unique()),
             "pivots": int(labels.sum()),
             "auroc": {k: auroc(v, labels) for k, v in scores.items()},
             "auroc_ci": boot["auroc_ci"],
@@ -398,7 +402,7 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
     baselines = {name: auroc(f, labels) for name, f in features.items()}
     best = max(baselines, key=lambda n: max(baselines[n], 1 - baselines[n]))
     oriented = features[best] if baselines[best] >= 0.5 else -features[best]
-    boot = bootstrap({"classifier": prob, **features, "best single feature": oriented}, labels, data["problem"],
+    boot = bootstrap({"classifier": prob, **features, "best single feature": oriented}, labels, data["group"],
                      "classifier", cfg.bootstrap, cfg.seed)
     out = {"model": cfg.model, "folds": folds, "positions": len(labels), "pivots": int(labels.sum()),
            "problems": len(problems), "auroc": auroc(prob, labels), "auroc_ci": boot["auroc_ci"]["classifier"],
