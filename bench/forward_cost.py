@@ -4,7 +4,7 @@ speculative decoding pays on a machine (verification feeds K+1 tokens per forwar
     python bench/forward_cost.py [--model NAME] [--dtype bfloat16] [--max-tokens 8]
     python bench/forward_cost.py --batch 1,2,4,8,16 [--tokens 9] [--prefix 512]
     python bench/forward_cost.py --cost-model [--batch 1,2,4,8,16] [--model NAME]
-    python bench/forward_cost.py --draft-cost [--draft NAME] [--prefix 512]
+    python bench/forward_cost.py --draft-cost [--draft NAME] [--prefix 512] [--vocab N,...] [--compile]
     python bench/forward_cost.py --block-sweep [--batch 1,4,16] [--prefix 512]
 
 Prints the median time of a forward over n new tokens (after a 64-token prefix) and its ratio to n = 1.
@@ -26,7 +26,8 @@ With ``--draft-cost``: what a draft token costs against a target forward over on
 (``pad.use_int8_weights``), with pad's fused attention, with both (``pad.use_fast_draft``, the ``--fast-draft`` of
 the command line), with its output layer pruned to each of the ``--vocab`` most frequent tokens
 (``pad.decoding.vocab_prune``), with int8 weights and each pruned head, and with all three, each with its ratio to
-the target's.
+the target's; with ``--compile`` also the ``--fast-draft`` forward under ``torch.compile`` (``--vocab ""``: no
+pruned heads).
 With ``--block-sweep``: a verification block's forward over T = 1..64 new tokens per row at each B of
 ``--batch`` (default 1, 4, 16) after a ``--prefix``-column cache (random keys and values in transformers' cache,
 as decoding keeps the target's): milliseconds, the ratio to T = 1 (what a block of K = T - 1 drafts costs
@@ -61,6 +62,8 @@ def main():
     parser.add_argument("--draft-cost", action="store_true", help="a draft token against a target forward (above)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="with --draft-cost: the draft model")
     parser.add_argument("--vocab", default="32768", help="with --draft-cost: the pruned heads' sizes (comma-separated)")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --draft-cost: also the --fast-draft forward under torch.compile")
     parser.add_argument("--block-sweep", action="store_true", help="blocks of T = 1..64 tokens per row (above)")
     args = parser.parse_args()
     model, _ = load(args.model, dtype=args.dtype)
@@ -70,7 +73,7 @@ def main():
         return cost_model(model, [int(b) for b in (args.batch or "1,2,4,8,16").split(",")])
     if args.draft_cost:
         return draft_cost(model, load(args.draft, dtype=args.dtype)[0], args.prefix, args.repeats,
-                          [int(n) for n in args.vocab.split(",")])
+                          [int(n) for n in args.vocab.split(",") if n], args.compile)
     if args.block_sweep:
         return block_sweep(model, [int(b) for b in (args.batch or "1,4,16").split(",")], args.prefix, args.repeats)
     if args.batch:
@@ -93,8 +96,9 @@ def main():
             print(f"| {n} | {median * 1e3:.1f} | {median / base:.2f} |")
 
 
-def one_token_ms(model, prefix: int, repeats: int) -> float:
-    """Median ms of a forward over one new token at one row after a ``prefix``-token cache."""
+def one_token_ms(model, prefix: int, repeats: int, warmup: int = 0) -> float:
+    """Median ms of a forward over one new token at one row after a ``prefix``-token cache (after ``warmup``
+    untimed ones)."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         cache = returned_cache(model(torch.randint(0, 1000, (1, prefix), generator=g), use_cache=True))
@@ -104,10 +108,10 @@ def one_token_ms(model, prefix: int, repeats: int) -> float:
             forward_tail(model, ids, 1, cache=cache, use_cache=True)
             crop_cache(cache, prefix)
 
-        return _median_ms(step, repeats)
+        return median_seconds(step, repeats, warmup) * 1e3
 
 
-def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int]) -> None:
+def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int], compiled: bool = False) -> None:
     import copy
 
     from pad.decoding.fast_draft import use_fast_draft
@@ -123,6 +127,11 @@ def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int]) -> N
             ("draft with the fused attention, one token", one_token_ms(variant(None, False, True), prefix, repeats)),
             ("draft with int8 weights and the fused attention (--fast-draft), one token",
              one_token_ms(variant(None, True, True), prefix, repeats))]
+    if compiled:  # the forward compiled whole (dynamic shapes); transformers' cache update breaks the graph
+        model = variant(None, True, True)
+        model.forward = torch.compile(model.forward, dynamic=True)
+        rows.append(("the same under torch.compile(dynamic=True), one token (after 5 untimed)",
+                     one_token_ms(model, prefix, repeats, warmup=5)))
     for n in vocabs:
         rows.append((f"draft scoring the {n} most frequent tokens, one token",
                      one_token_ms(variant(n, False), prefix, repeats)))
