@@ -353,7 +353,7 @@ def _train(args) -> int:
 
     data, meta = train.load_shards(args.dirs, criterion=args.criterion)
     cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed, model=args.model)
-    folds = min(5, len(data["problem"].unique())) if args.folds is None else args.folds
+    folds = min(5, len(data["group"].unique())) if args.folds is None else args.folds
     if args.model == "auto" and not folds:
         raise ValueError("--model auto chooses by cross-validation: it needs --folds of at least 2")
     clf, report = train.select_and_train(data, meta, cfg, folds)
@@ -578,10 +578,11 @@ def _add_train_command(sub) -> None:
     tr.add_argument("--folds", type=int, default=None,
                     help="also report an AUROC cross-validated over this many folds of problems "
                          "(default 5, or one per problem when fewer; 0: off)")
-    tr.add_argument("--compare-feature", choices=("divergence",),
-                    help="also cross-validate the chosen kind with this candidate feature added, on the positions "
-                         "that have it, and report the AUROC difference with its bootstrap interval (the saved "
-                         "classifier reads the op's features only)")
+    tr.add_argument("--compare-feature", metavar="NAME[,NAME...]",
+                    help="also cross-validate the chosen kind with these candidate features added (divergence; "
+                         "where a draft came from: from_lookup, from_suffix, match, offset), on the positions that "
+                         "have them, and report the AUROC difference with its bootstrap interval, per proposal "
+                         "source too (the saved classifier reads the op's features only)")
     tr.set_defaults(func=_train)
 
 

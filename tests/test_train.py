@@ -314,6 +314,41 @@ def test_compare_feature_measures_what_a_candidate_adds(tmp_path):
     assert "Candidate feature divergence (linear, the same 3 folds of problems, on the 750 positions" in text
 
 
+def test_source_features_measured_per_source(tmp_path):
+    """Lookup decisions whose label only the match length carries (short matches are the pivots) beside the
+    model's planted ones: the source features add what the match says, and each source gets its own AUROC."""
+    _planted(tmp_path / "model", problems=20)
+    g = torch.Generator().manual_seed(9)
+    writer = label.LabelWriter(tmp_path / "lookup", (0, 1), {"task": "synthetic", "target": "t", "draft": "d",
+                                                              "layer": -2, "drafter": "lookup"})
+    for i in range(20):
+        n = 25
+        match = torch.randint(1, 5, (n,), generator=g, dtype=torch.int32)
+        writer.write(i, f"a{i}", {
+            "hidden": torch.randn(n, 16, generator=g).half(), "token_prob": torch.rand(n, generator=g).half(),
+            "entropy": (torch.rand(n, generator=g) * 5).half(), "label": (match == 1).to(torch.int8),
+            "source": torch.full((n,), 1, dtype=torch.int8), "match": match,
+            "offset": torch.randint(0, 8, (n,), generator=g, dtype=torch.int32),
+            "mismatches": torch.tensor([n], dtype=torch.int32)}, 1.0)
+    data, meta = train.load_shards([tmp_path / "model", tmp_path / "lookup"])
+    assert data["from_lookup"].sum() == 500 and not data["from_suffix"].any()
+    assert set(data["offset"][data["source"] == 0].tolist()) == {-1}  # the model's records: no place in a proposal
+    cfg = train.TrainConfig(model="linear", l2_grid=(1e-2, 1.0), bootstrap=300)
+    cmp = train.compare_feature(data, meta, cfg, "from_lookup,from_suffix,match,offset", folds=3, progress=False)
+    assert cmp["positions"] == 1000 and cmp["difference_ci"][0] > 0
+    lookup = cmp["per_source"]["lookup"]
+    assert lookup["positions"] == 500 and lookup["pivots"] == int((data["match"][500:] == 1).sum())
+    assert lookup["auroc"]["with"] > 0.9 > 0.65 > lookup["auroc"]["without"]  # only the match knows
+    assert 0.4 < lookup["auroc"]["1 - p_target(token)"] < 0.6
+    assert set(cmp["per_source"]) == {"model", "lookup"} and cmp["per_source"]["model"]["positions"] == 500
+    text = train.report_markdown({**train.train(data, meta, train.TrainConfig(epochs=2), progress=False)[1],
+                                  "label_meta": meta, "feature_comparison": cmp})
+    assert "Candidate feature from_lookup,from_suffix,match,offset (linear" in text
+    assert "| lookup | 500 |" in text
+    with pytest.raises(ValueError, match="unknown candidate feature 'source'"):
+        train.compare_feature(data, meta, cfg, "match,source", progress=False)
+
+
 def test_compare_feature_bad_inputs(tmp_path):
     _planted(tmp_path / "labels", problems=6)
     data, meta = train.load_shards([tmp_path / "labels"])

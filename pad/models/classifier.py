@@ -16,8 +16,11 @@ FORMAT = "pad-pivot-classifier"
 FORMAT_VERSION = 1
 KINDS = ("mlp", "linear")
 # Features a classifier may read after FEATURE_NAMES to measure what they add (``pad-decoding train
-# --compare-feature``); the op computes FEATURE_NAMES only, so such a classifier does not fold.
-CANDIDATE_FEATURES = ("divergence",)
+# --compare-feature``); the op computes FEATURE_NAMES only, so such a classifier does not fold. The source
+# features say where a draft token came from (``pad.pivots.search`` records): from a lookup, from a suffix
+# match (both 0: the draft model), the match's length and the token's place in its proposal (-1: the model's).
+SOURCE_FEATURES = ("from_lookup", "from_suffix", "match", "offset")
+CANDIDATE_FEATURES = ("divergence", *SOURCE_FEATURES)
 
 
 class PivotClassifier(nn.Module):

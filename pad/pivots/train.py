@@ -69,7 +69,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
     reads those problems alone.
     """
     from .retrace import FOLDER, retraced
-    from .search import PROPOSAL_DEFAULTS, pivot_labels
+    from .search import PROPOSAL_DEFAULTS, SOURCE_IDS, pivot_labels
 
     from safetensors.torch import load_file
 
@@ -117,6 +117,8 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
         data[name] = torch.cat([p[name].to(torch.int32) if name in p else torch.full(p["label"].shape, default,
                                                                                       dtype=torch.int32)
                                 for p in parts])
+    data["from_lookup"] = (data["source"] == SOURCE_IDS["lookup"]).float()  # the source as candidate features
+    data["from_suffix"] = (data["source"] == SOURCE_IDS["suffix"]).float()
     if any("divergence" in p for p in parts):  # NaN where a decision has none (not retraced, or lost)
         data["divergence"] = torch.cat([p.get("divergence", torch.full(p["label"].shape, math.nan, dtype=torch.float16))
                                         for p in parts])
@@ -361,23 +363,26 @@ def out_of_fold(data: dict, meta: dict, cfg: TrainConfig, folds: int, progress: 
 
 def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: int = 5,
                     progress: bool = True) -> dict:
-    """What a candidate feature adds: out-of-fold AUROC of ``cfg.model`` without and with ``name``, on the same
-    positions (those where ``name`` is known) and folds, and the 95% bootstrap interval over problems of the
-    difference (with - without)."""
+    """What a candidate feature adds (``name``; several comma-separated: added together): out-of-fold AUROC of
+    ``cfg.model`` without and with it, on the same positions (those where it is known) and folds, and the 95%
+    bootstrap interval over problems of the difference (with - without)."""
     from ..models.classifier import CANDIDATE_FEATURES
 
-    if name not in CANDIDATE_FEATURES:
-        raise ValueError(f"unknown candidate feature {name!r}; choose one of {', '.join(CANDIDATE_FEATURES)}")
-    if name not in data:
-        raise ValueError(f"the label folders hold no {name} (pad-decoding retrace adds it to search folders)")
-    known = torch.isfinite(data[name].float())
+    names = tuple(n.strip() for n in name.split(","))
+    for n in names:
+        if n not in CANDIDATE_FEATURES:
+            raise ValueError(f"unknown candidate feature {n!r}; choose among {', '.join(CANDIDATE_FEATURES)}")
+        if n not in data:
+            raise ValueError(f"the label folders hold no {n} (pad-decoding retrace adds it to search folders)")
+    known = torch.stack([torch.isfinite(data[n].float()) for n in names]).all(0)
     if not known.any():
         raise ValueError(f"no labeled position has a {name}")
     sub = {k: v[known] for k, v in data.items() if k not in (*OUTCOMES, *WALKS)}
     labels = sub["label"].long()
     scores = {"without": out_of_fold(sub, meta, replace(cfg, features=()), folds, progress),
-              "with": out_of_fold(sub, meta, replace(cfg, features=(name,)), folds, progress),
-              name: sub[name].float()}
+              "with": out_of_fold(sub, meta, replace(cfg, features=names), folds, progress)}
+    if len(names) == 1:  # a feature alone as the score
+        scores[name] = sub[name].float()
     boot = bootstrap(scores, labels, sub["group"], "without", cfg.bootstrap, cfg.seed)
     return {"feature": name, "model": cfg.model, "folds": folds, "positions": int(known.sum()),
             "positions_without_it": int((~known).sum()), "problems": len(sub["group"].unique()),
@@ -385,7 +390,29 @@ def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: 
             "auroc": {k: auroc(v, labels) for k, v in scores.items()},
             "auroc_ci": boot["auroc_ci"],
             "difference": auroc(scores["with"], labels) - auroc(scores["without"], labels),
-            "difference_ci": boot["difference_ci"]["with"], "bootstrap_resamples": cfg.bootstrap}
+            "difference_ci": boot["difference_ci"]["with"], "bootstrap_resamples": cfg.bootstrap,
+            "per_source": per_source_auroc({"without": scores["without"], "with": scores["with"]}, sub)}
+
+
+def per_source_auroc(scores: dict[str, torch.Tensor], data: dict) -> dict:
+    """Per proposal source present in ``data`` (its ``source``, ``pad.pivots.search.SOURCE_IDS``): positions,
+    pivots and each score's AUROC over that source's positions, beside ``1 - p_target(token)`` alone; empty
+    when the positions come from one source only."""
+    from .search import SOURCE_IDS
+
+    present = data["source"].unique().tolist()
+    if len(present) < 2:
+        return {}
+    labels = data["label"].long()
+    out = {}
+    for name, i in SOURCE_IDS.items():
+        m = data["source"] == i
+        if not m.any():
+            continue
+        out[name] = {"positions": int(m.sum()), "pivots": int(labels[m].sum()),
+                     "auroc": {k: auroc(v[m], labels[m]) for k, v in
+                               {**scores, "1 - p_target(token)": 1 - data["token_prob"].float()}.items()}}
+    return out
 
 
 def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), folds: int = 5,
@@ -414,6 +441,7 @@ def cross_validate(data: dict, meta: dict, cfg: TrainConfig = TrainConfig(), fol
            "bootstrap_resamples": cfg.bootstrap, "sigmas": sigma_table(prob, labels)}
     within = {name: within_problem_auroc(s, labels, data["problem"]) for name, s in {"classifier": prob, **features}.items()}
     out["within_problems"] = {"pairs": within["classifier"][1], "auroc": {n: a for n, (a, _) in within.items()}}
+    out["per_source"] = per_source_auroc({"classifier": prob}, data)
     if all(k in data for k in OUTCOMES):
         # What the out-of-fold scores would do to the answers (pad.pivots.replay), beside the threshold rule
         # on p_target(token); problems read without a decision count as unchanged.
@@ -502,6 +530,7 @@ def report_markdown(report: dict) -> str:
             lines += ["", f"Within problems (only the {inside['pairs']} pivot / non-pivot pairs of the same problem, "
                           "the choice a decode faces): " + ", ".join(
                               f"{name} AUROC {fmt(v)}" for name, v in inside["auroc"].items()) + "."]
+        lines += _per_source_lines(cv.get("per_source"), fmt)
         lines += ["", *_sigma_lines(cv["sigmas"], fmt)]
         rep = cv.get("replay")
         if rep:
@@ -523,15 +552,28 @@ def report_markdown(report: dict) -> str:
     cmp = report.get("feature_comparison")
     if cmp:
         name, auc, aci = cmp["feature"], cmp["auroc"], cmp["auroc_ci"]
+        alone = (f"; {name} alone as the score {fmt(auc[name])} {ci(aci[name])}" if name in auc else "")
         lines += ["", f"Candidate feature {name} ({cmp['model']}, the same {cmp['folds']} folds of problems, on the "
                       f"{cmp['positions']} positions that have it, {_count(cmp['problems'], 'problem')}, "
                       f"{cmp['pivots']} pivots; {cmp['positions_without_it']} positions without it left out): cross-validated AUROC "
                       f"without it {fmt(auc['without'])} {ci(aci['without'])}, with it {fmt(auc['with'])} "
                       f"{ci(aci['with'])}; with minus without {cmp['difference']:+.4f}, 95% interval "
                       f"[{cmp['difference_ci'][0]:+.4f}, {cmp['difference_ci'][1]:+.4f}] "
-                      f"({cmp['bootstrap_resamples']} resamples of problems); {name} alone "
-                      f"as the score {fmt(auc[name])} {ci(aci[name])}."]
+                      f"({cmp['bootstrap_resamples']} resamples of problems){alone}."]
+        lines += _per_source_lines(cmp.get("per_source"), fmt)
     return "\n".join(lines) + "\n"
+
+
+def _per_source_lines(per_source: dict | None, fmt) -> list[str]:
+    """A table of AUROC per proposal source (``per_source_auroc``); nothing for one source."""
+    if not per_source:
+        return []
+    names = list(next(iter(per_source.values()))["auroc"])
+    lines = ["", "Per proposal source (out-of-fold scores over each source's positions):", "",
+             "| source | positions | pivots | " + " | ".join(f"AUROC {n}" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    return lines + [f"| {src} | {r['positions']} | {r['pivots']} | " + " | ".join(fmt(r["auroc"][n]) for n in names)
+                    + " |" for src, r in per_source.items()]
 
 
 def _sigma_lines(rows: list[dict], fmt) -> list[str]:
