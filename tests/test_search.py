@@ -44,6 +44,18 @@ def setup(request):
     return target, draft, problems, prompts
 
 
+def _taken(target, prompt: list[int], text: list[int], t: int, d: int, max_new: int, layer: int, eos):
+    """Draft token d taken at text position t: the new text (the target greedy after it), the target's hidden
+    state at the position and ``verify_block``'s result for d there, from plain forwards."""
+    tail = [] if d in eos or max_new - t - 1 == 0 else greedy_from_scratch(target, prompt + text[:t] + [d],
+                                                                           max_new - t - 1, eos)
+    capture = LayerCapture(target, layer)
+    capture.keep = 2
+    res = verify_block(target(torch.tensor([prompt + text[:t] + [d]])).logits[:, -2:], torch.tensor([[d]]))
+    capture.remove()
+    return text[:t] + [d] + tail, capture.value[0, 0], res
+
+
 @torch.inference_mode()
 def _walk(target, draft, prompt: list[int], max_new: int, layer: int):
     """The rule, written plainly: full forwards without caches at every step."""
@@ -58,20 +70,14 @@ def _walk(target, draft, prompt: list[int], max_new: int, layer: int):
         if t is None:
             return text, decisions
         d = top[t]
-        tail = [] if d in eos or max_new - t - 1 == 0 else greedy_from_scratch(target, prompt + text[:t] + [d],
-                                                                               max_new - t - 1, eos)
-        new = text[:t] + [d] + tail
-        capture = LayerCapture(target, layer)
-        capture.keep = 2
-        res = verify_block(target(torch.tensor([prompt + text[:t] + [d]])).logits[:, -2:], torch.tensor([[d]]))
-        capture.remove()
+        new, hidden, res = _taken(target, prompt, text, t, d, max_new, layer, eos)
         q = torch.softmax(logits[len(prompt) - 1 + t].float(), -1)
         # KL(p_target || p_draft) at the decision, in fp64 from both models' plain forwards
         log_p = torch.log_softmax(target(torch.tensor([prompt + text[:t]])).logits[0, -1].double(), -1)
         log_q = torch.log_softmax(logits[len(prompt) - 1 + t].double(), -1)
         new_key, new_correct = _outcome(new)
         decisions.append({"position": t, "same_answer": int(new_key == key), "correct_before": int(correct),
-                          "correct_after": int(new_correct), "hidden": capture.value[0, 0],
+                          "correct_after": int(new_correct), "hidden": hidden,
                           "token_prob": res.token_prob[0, 0], "entropy": res.entropy[0, 0], "draft_prob": q[d],
                           "divergence": (log_p.exp() * (log_p - log_q)).sum()})
         if new_key == key:
@@ -159,16 +165,10 @@ def _free_walk(target, prompt: list[int], max_new: int, layer: int, drafter: str
             t += 1
             continue
         d = tokens[j]
-        tail = [] if d in eos or max_new - t - 1 == 0 else greedy_from_scratch(target, prompt + text[:t] + [d],
-                                                                               max_new - t - 1, eos)
-        new = text[:t] + [d] + tail
-        capture = LayerCapture(target, layer)
-        capture.keep = 2
-        res = verify_block(target(torch.tensor([prompt + text[:t] + [d]])).logits[:, -2:], torch.tensor([[d]]))
-        capture.remove()
+        new, hidden, res = _taken(target, prompt, text, t, d, max_new, layer, eos)
         new_key, new_correct = _outcome(new)
         decisions.append({"position": t, "same_answer": int(new_key == key), "correct_before": int(correct),
-                          "correct_after": int(new_correct), "hidden": capture.value[0, 0],
+                          "correct_after": int(new_correct), "hidden": hidden,
                           "token_prob": res.token_prob[0, 0], "entropy": res.entropy[0, 0],
                           "source": search.SOURCE_IDS[drafter], "match": n, "offset": j})
         if new_key == key:
