@@ -1,7 +1,10 @@
 """A model's fp32 linear layers on the CPU: torch's default (MKL) against oneDNN
-(``pad.decoding.onednn.OneDNNLinear``, what ``use_onednn_linear`` puts in), side by side in one run.
+(``pad.decoding.onednn.OneDNNLinear``, what ``use_onednn_linear`` puts in), side by side in one run; with
+``--int8``, its bf16 linear layers dense against PyTorch's packed int8 kernel (``pad.decoding.int8.packed_mm``),
+the rows up to which ``Int8Linear`` takes that kernel (``PACKED_MAX_ROWS``).
 
     python bench/linear_cost.py [--model NAME] [--rows 1,16,64,107] [--threads 2] [--repeats 5]
+    python bench/linear_cost.py --int8 --model qwen2.5-coder-0.5b-instruct --rows 1,2,4,8,16,32
 
 For each number of rows (one token each, as a decode step or the search labeler's running batch): the
 median time of every linear layer of one forward (each shape once, weighted by how many blocks have it,
@@ -12,8 +15,10 @@ import platform
 
 import torch
 from torch import nn
-from pad.decoding.onednn import OneDNNLinear
 from transformers import AutoConfig
+
+from pad.decoding.int8 import packed_mm
+from pad.decoding.onednn import OneDNNLinear
 
 from pad.machine import median_seconds
 from pad.models.registry import DEFAULT_TARGET, resolve
@@ -36,9 +41,12 @@ def main():
     parser.add_argument("--rows", default="1,16,64,107", help="comma-separated numbers of rows")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--int8", action="store_true", help="bf16 dense against the packed int8 kernel (above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = AutoConfig.from_pretrained(resolve(args.model))
+    if args.int8:
+        return int8_against_dense(args, cfg)
     print(f"{args.model} float32 linear layers | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads | CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print("| rows | MKL, ms | oneDNN, ms | ratio |\n|---|---|---|---|")
@@ -54,6 +62,26 @@ def main():
                     total[j] += count * median_seconds(lambda: layer(x), args.repeats, warmup=1)
                 del dense, onednn
             print(f"| {rows} | {total[0] * 1e3:.0f} | {total[1] * 1e3:.0f} | {total[0] / total[1]:.2f} |", flush=True)
+
+
+def int8_against_dense(args, cfg) -> None:
+    print(f"{args.model} bf16 linear layers | torch {torch.__version__} | "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads | "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print("| rows | dense bf16, ms | packed int8, ms | int8 / dense |\n|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in [int(r) for r in args.rows.split(",")]:
+            total = [0.0, 0.0]
+            for i, o, _, count in shapes(cfg):
+                w = torch.randn(o, i, generator=g)
+                scales = w.abs().amax(1) / 127
+                q = torch.round(w / scales[:, None]).to(torch.int8)
+                dense, scales = w.bfloat16(), scales.bfloat16()
+                x = torch.randn(rows, i, generator=g).bfloat16()
+                total[0] += count * median_seconds(lambda: x @ dense.T, args.repeats, warmup=1)
+                total[1] += count * median_seconds(lambda: packed_mm(x, q, scales), args.repeats, warmup=1)
+            print(f"| {rows} | {total[0] * 1e3:.1f} | {total[1] * 1e3:.1f} | {total[1] / total[0]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from torch import nn
 
 import pad
 from pad.decoding.hf import vocab_size
+from pad.decoding import int8
 from pad.decoding.int8 import Int8Linear, use_int8_weights
 from tiny import greedy_from_scratch, tiny_model, tiny_pair
 
@@ -19,11 +20,16 @@ def test_this_torch_has_the_int8_kernel():  # every test here needs it (PyTorch'
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("inputs", [72, 64])  # bf16 at 72: through fp32 (torch's bf16 kernel wants 16 | inputs)
-def test_a_layer_computes_its_dequantized_weights(dtype, bias, inputs):
+@pytest.mark.parametrize("inputs", [72, 64])  # bf16 at 72: dense (torch's bf16 kernel wants 16 | inputs)
+@pytest.mark.parametrize("rows", [(1, 3), (2, 5), (4, 8)])  # 3 and 10 rows: packed in bf16; 32: dense
+def test_a_layer_computes_its_dequantized_weights(dtype, bias, inputs, rows, monkeypatch):
     """Against x @ (q * s)^T + b in fp64 from the stored int8 weights and scales, and the quantization itself
-    against round(w / s) with s = max |w| / 127 per row (in fp32, as the layer computes it)."""
-    g = torch.Generator().manual_seed(int(bias) + 2 * (dtype == torch.bfloat16) + inputs)
+    against round(w / s) with s = max |w| / 127 per row (in fp32, as the layer computes it); the packed kernel
+    runs for bf16 activations of at most PACKED_MAX_ROWS rows, a dense matmul otherwise."""
+    calls = []
+    real = int8.packed_mm
+    monkeypatch.setattr(int8, "packed_mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(int(bias) + 2 * (dtype == torch.bfloat16) + inputs + rows[1])
     linear = nn.Linear(inputs, 40, bias=bias).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(40, inputs, generator=g))
@@ -34,10 +40,12 @@ def test_a_layer_computes_its_dequantized_weights(dtype, bias, inputs):
     scales = w.abs().amax(1) / 127
     assert torch.equal(q.weight, torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
     assert torch.equal(q.scales, scales)
-    x = torch.randn(2, 5, inputs, generator=g).to(dtype)
+    x = torch.randn(*rows, inputs, generator=g).to(dtype)
     want = x.double() @ (q.weight.double() * q.scales.double()[:, None]).T + (linear.bias.double() if bias else 0)
     got = q(x)
-    assert got.dtype == dtype and got.shape == (2, 5, 40)
+    assert got.dtype == dtype and got.shape == (*rows, 40)
+    packed = dtype == torch.bfloat16 and inputs == 64 and rows[0] * rows[1] <= int8.PACKED_MAX_ROWS
+    assert calls == ([rows[0] * rows[1]] if packed else [])
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]  # bf16: its output rounding (8 bits of mantissa)
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
     # and close to the unquantized layer: int8 keeps about 2 decimal digits of each weight
