@@ -57,15 +57,18 @@ class Int8Linear(nn.Module):
         return self._dense[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed(x):
-            return nn.functional.linear(x, self.dequantized(x.dtype),
-                                        None if self.bias is None else self.bias.to(x.dtype))
-        scales = self._cast.get(x.dtype)
-        if scales is None:
-            scales = self._cast[x.dtype] = self.scales.to(x.dtype)
-        out = packed_mm(x.reshape(-1, self.in_features), self.weight, scales)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        # As rows of a matrix: a strided 3-D input (the output layer's last positions) would make torch
+        # multiply batch by batch, copying the weights once per batch entry.
+        rows = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.packed(x):
+            scales = self._cast.get(x.dtype)
+            if scales is None:
+                scales = self._cast[x.dtype] = self.scales.to(x.dtype)
+            out = packed_mm(rows, self.weight, scales)
+            out = out if bias is None else out + bias
+        else:
+            out = nn.functional.linear(rows, self.dequantized(x.dtype), bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
