@@ -258,7 +258,8 @@ def _label(args) -> int:
     if args.method == "search" and (args.only_draft_wrong or args.rollouts):
         raise ValueError("--only-draft-wrong and --rollouts belong to --method rollout (the default is search)")
     if args.method != "search" and args.drafter != "model":
-        raise ValueError("--drafter lookup|suffix labels with --method search (rollouts label the draft model's tokens)")
+        raise ValueError("--drafter lookup|suffix labels with --method search "
+                         "(rollouts label the draft model's tokens)")
     shard = label.parse_shard(args.shard)
     problems = tasks.load(args.task, args.split, args.data, limit=args.limit)
     skip = set()  # read before the models load: a bad folder fails at once
