@@ -3,11 +3,12 @@
 Where lookups miss, a block's time is mostly the draft model's forwards, one per draft token, and at a few rows
 a forward is memory-bound: its weights are read once per token. Int8 weights with one scale per output row (a
 half of bf16's bytes) are multiplied by bf16 activations in ``torch.ops.aten._weight_int8pack_mm``, PyTorch's
-own CPU kernel; the output layer, the draft's largest matrix,
-goes too (what it buys: ``python bench/forward_cost.py --draft-cost``, bench/README.md).
+own CPU kernel; the output layer, the draft's largest matrix, goes too (what it buys: ``python
+bench/forward_cost.py --draft-cost``, bench/README.md).
 
 Past a few rows, and with fp32 activations, the packed kernel is slower than a dense matmul: there the layer
-multiplies by its dequantized weights (the same int8-rounded values), so a prompt's prefill keeps dense speed.
+multiplies by its dequantized weights (the same int8-rounded values, made at the first such call and kept
+beside the int8 ones, so a model that prefills holds both), so a prompt's prefill keeps dense speed.
 
 Exact decoding stays exact whatever the draft computes: the target decides every token (tests/test_int8.py).
 The draft's proposals, and so the acceptance and speed, change a little; a run log records the draft's weights
