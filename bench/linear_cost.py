@@ -47,42 +47,44 @@ def main():
     cfg = AutoConfig.from_pretrained(resolve(args.model))
     if args.int8:
         return int8_against_dense(args, cfg)
-    print(f"{args.model} float32 linear layers | torch {torch.__version__} | {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads | CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| rows | MKL, ms | oneDNN, ms | ratio |\n|---|---|---|---|")
+
+    def pair(i, o, bias, rows, g):
+        dense = nn.Linear(i, o, bias=bias)
+        onednn = OneDNNLinear(dense)
+        x = torch.randn(rows, 1, i, generator=g)
+        return lambda: dense(x), lambda: onednn(x)
+
+    side_by_side(args, cfg, "float32", ("MKL", "oneDNN", "ratio"), pair, lambda a, b: a / b, digits=0)
+
+
+def int8_against_dense(args, cfg) -> None:
+    def pair(i, o, _, rows, g):
+        w = torch.randn(o, i, generator=g)
+        scales = w.abs().amax(1) / 127
+        q = torch.round(w / scales[:, None]).to(torch.int8)
+        dense, scales = w.bfloat16(), scales.bfloat16()
+        x = torch.randn(rows, i, generator=g).bfloat16()
+        return lambda: x @ dense.T, lambda: packed_mm(x, q, scales)
+
+    side_by_side(args, cfg, "bf16", ("dense bf16", "packed int8", "int8 / dense"), pair, lambda a, b: b / a, digits=1)
+
+
+def side_by_side(args, cfg, dtype: str, names: tuple, pair, ratio, digits: int) -> None:
+    """Per number of rows, one forward's worth of both ways of every linear layer (``pair(in, out, bias, rows,
+    generator)`` -> the two calls), each shape weighted by how many blocks have it; a table row each."""
+    print(f"{args.model} {dtype} linear layers | torch {torch.__version__} | "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads | "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"| rows | {names[0]}, ms | {names[1]}, ms | {names[2]} |\n|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
             total = [0.0, 0.0]
             for i, o, bias, count in shapes(cfg):
-                dense = nn.Linear(i, o, bias=bias)
-                onednn = OneDNNLinear(dense)
-                x = torch.randn(rows, 1, i, generator=g)
-                for j, layer in enumerate((dense, onednn)):
-                    total[j] += count * median_seconds(lambda: layer(x), args.repeats, warmup=1)
-                del dense, onednn
-            print(f"| {rows} | {total[0] * 1e3:.0f} | {total[1] * 1e3:.0f} | {total[0] / total[1]:.2f} |", flush=True)
-
-
-def int8_against_dense(args, cfg) -> None:
-    print(f"{args.model} bf16 linear layers | torch {torch.__version__} | "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads | "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| rows | dense bf16, ms | packed int8, ms | int8 / dense |\n|---|---|---|---|")
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for rows in [int(r) for r in args.rows.split(",")]:
-            total = [0.0, 0.0]
-            for i, o, _, count in shapes(cfg):
-                w = torch.randn(o, i, generator=g)
-                scales = w.abs().amax(1) / 127
-                q = torch.round(w / scales[:, None]).to(torch.int8)
-                dense, scales = w.bfloat16(), scales.bfloat16()
-                x = torch.randn(rows, i, generator=g).bfloat16()
-                total[0] += count * median_seconds(lambda: x @ dense.T, args.repeats, warmup=1)
-                total[1] += count * median_seconds(lambda: packed_mm(x, q, scales), args.repeats, warmup=1)
-            print(f"| {rows} | {total[0] * 1e3:.1f} | {total[1] * 1e3:.1f} | {total[1] / total[0]:.2f} |", flush=True)
-
+                for j, call in enumerate(pair(i, o, bias, rows, g)):
+                    total[j] += count * median_seconds(call, args.repeats, warmup=1)
+            print(f"| {rows} | {total[0] * 1e3:.{digits}f} | {total[1] * 1e3:.{digits}f} | "
+                  f"{ratio(*total):.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()
