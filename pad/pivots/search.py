@@ -46,10 +46,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
+from ..decoding.drafters import LookupDrafter, Sampling, SuffixDrafter
 from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_bytes_per_token, returned_cache,
                            shared_vocab_size)
 from ..errors import PadError
@@ -251,10 +253,6 @@ def _propose(p: _Problem, t: int, cfg: SearchConfig) -> None:
     """The problem's drafter proposes a block for text positions t.. from prompt + text[:t] (its own context
     only: a suffix drafter keeps no counts across problems here, so a problem's labels do not depend on which
     problems finished before it)."""
-    from types import SimpleNamespace
-
-    from ..decoding.drafters import LookupDrafter, Sampling, SuffixDrafter
-
     if p.free is None:
         p.free = LookupDrafter() if cfg.drafter == "lookup" else SuffixDrafter()
         p.free.start(SimpleNamespace(prompts=[p.prompt]), Sampling(), torch.device("cpu"))
