@@ -118,7 +118,7 @@ def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int], comp
 
     def variant(vocab, int8, fused=False):
         model = copy.deepcopy(draft)
-        use_fast_draft(model, vocab=vocab, int8=int8, fused_attention=fused)
+        use_fast_draft(model, vocab=vocab, weights="int8" if int8 else None, fused_attention=fused, lean=False)
         return model
 
     rows = [("target, one token", one_token_ms(target, prefix, repeats)),

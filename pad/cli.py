@@ -10,6 +10,7 @@ import sys
 import threading
 
 from .decoding.drafters import NAMES as DRAFTERS
+from .decoding.fast_draft import FAST_WEIGHTS
 from .decoding.drafters import NEEDS_MODEL
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
@@ -43,25 +44,33 @@ def _load_pair(args, need_draft: bool = True):
     check_tokenizers(tokenizer, draft_tokenizer, shared_vocab_size(target, draft))
     changes = _draft_changes(args)
     if changes:
+        from .decoding import draft_forward
         from .decoding.fast_draft import use_fast_draft
 
-        use_fast_draft(draft, vocab=changes.get("draft_vocab"), int8="draft_weights" in changes,
-                       fused_attention="draft_attention" in changes)
+        applied = use_fast_draft(draft, vocab=changes.get("draft_vocab"), weights=changes.get("draft_weights"),
+                                 fused_attention="draft_attention" in changes, lean="draft_forward" in changes)
+        if applied != changes:  # the lean forward takes the Llama / Qwen2 family only: say so, never run another
+            raise SystemExit(f"error: --draft-forward lean does not take {args.draft}: "
+                             f"{draft_forward.supports(draft)}")
     return target, tokenizer, draft
 
 
 def _draft_changes(args) -> dict:
-    """What --fast-draft, --draft-vocab, --draft-int8 and --draft-attention change in the draft, as the settings a
-    run log records for them (``pad.decoding.fast_draft.use_fast_draft`` returns the same)."""
+    """What --fast-draft, --draft-vocab, --draft-weights (--draft-int8), --draft-attention and --draft-forward
+    change in the draft, as the settings a run log records for them (``pad.decoding.fast_draft.use_fast_draft``
+    returns the same)."""
     fast = getattr(args, "fast_draft", False)
     changes = {}
     vocab = getattr(args, "draft_vocab", None)
     if vocab:
         changes["draft_vocab"] = vocab
-    if fast or getattr(args, "draft_int8", False):
-        changes["draft_weights"] = "int8"
+    weights = getattr(args, "draft_weights", None) or ("int8" if getattr(args, "draft_int8", False) else None)
+    if weights or fast:
+        changes["draft_weights"] = weights or FAST_WEIGHTS
     if fast or getattr(args, "draft_attention", "sdpa") == "fused":
         changes["draft_attention"] = "fused"
+    if fast or getattr(args, "draft_forward", "hf") == "lean":
+        changes["draft_forward"] = "lean"
     return changes
 
 
@@ -78,15 +87,21 @@ def _add_models(parser) -> None:
     parser.add_argument("--draft-vocab", type=int, metavar="N",
                         help="the draft scores only the N most frequent tokens (pad/vocab: counts over GSM8K train "
                              "and Python's standard library); its drafts are tokens of that subset; lossless")
-    parser.add_argument("--draft-int8", action="store_true",
-                        help="the draft model's linear layers in int8 (weight-only, a scale per output row; CPU): "
-                             "cheaper draft tokens; exact decoding stays exact (the target decides)")
+    parser.add_argument("--draft-weights", choices=("int8", "int4"),
+                        help="the draft model's linear layers quantized (weight-only, CPU): int8 with a scale per "
+                             "output row, or int4 with a scale and zero per 32 weights; cheaper draft tokens, exact "
+                             "decoding stays exact (the target decides)")
+    parser.add_argument("--draft-int8", action="store_true", help="the same as --draft-weights int8")
     parser.add_argument("--draft-attention", choices=("sdpa", "fused"), default="sdpa",
                         help="the draft's attention: transformers' SDPA, or pad's fused CPU kernel (faster one token "
                              "at a time over a long cache; lossless: the target decides)")
+    parser.add_argument("--draft-forward", choices=("hf", "lean"), default="hf",
+                        help="the draft's forward: transformers', or pad's plain loop over its layers (Llama / Qwen2 "
+                             "family; less Python per draft token; lossless: the target decides)")
     parser.add_argument("--fast-draft", action="store_true",
-                        help="the cheapest draft on a CPU: --draft-int8 --draft-attention fused (with the whole "
-                             "vocabulary: pruning it lost more acceptance than it saved); exact decoding stays exact")
+                        help="the cheapest draft on a CPU: --draft-weights %s --draft-attention fused --draft-forward "
+                             "lean (with the whole vocabulary: pruning it lost more acceptance than it saved); exact "
+                             "decoding stays exact" % FAST_WEIGHTS)
 
 
 def _add_task(parser, split: str) -> None:
@@ -222,9 +237,10 @@ def _bench(args) -> int:
     stem = (f"{args.task}_{args.split}_{span}_k{args.num_draft_tokens}_{args.dtype}"
             + (f"_b{args.batch_size}" if args.batch_size > 1 else "")
             + (f"_stop{args.draft_stop:g}" if args.draft_stop is not None else "")
-            + ("_draftint8" if "draft_weights" in changes else "")
+            + (f"_draft{changes['draft_weights']}" if "draft_weights" in changes else "")
             + (f"_vocab{changes['draft_vocab']}" if "draft_vocab" in changes else "")
             + ("_draftfused" if "draft_attention" in changes else "")
+            + ("_draftlean" if "draft_forward" in changes else "")
             + ("_judgefree" if args.judge_free else "")
             + (f"{sampled}_s{args.seed}" if sampled else ""))
     settings = {"split": args.split, "data": _data_checksum(data), "target": args.target, "draft": args.draft,

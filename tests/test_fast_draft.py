@@ -41,15 +41,18 @@ def test_one_token_without_holes_takes_the_kernel(arch, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("drafter", ["model", "hybrid"])
-def test_exact_decoding_with_the_fast_draft_is_the_targets_greedy_output(drafter):
+def test_exact_decoding_with_the_fast_draft_is_the_targets_greedy_output(drafter, weights):
     """fp32, three rows of different prompt lengths: the target's own greedy tokens, from a draft that proposes
     only the most frequent tokens, with int8 weights and the fused attention (holes in its cache included)."""
     target, draft = tiny_pair("qwen2", vocab=QWEN_VOCAB, scale=0.05, seed=23)
     fast = copy.deepcopy(draft)
-    settings = pad.use_fast_draft(fast, vocab=1024)
-    assert settings == {"draft_vocab": 1024, "draft_weights": "int8", "draft_attention": "fused"}
-    assert fast.pad_int8 and fast.pad_vocab == 1024 and fast.pad_attention == "fused"
+    settings = pad.use_fast_draft(fast, vocab=1024, weights=weights)
+    assert settings == {"draft_vocab": 1024, "draft_weights": weights, "draft_attention": "fused",
+                        "draft_forward": "lean"}
+    assert fast.pad_weights == weights and fast.pad_vocab == 1024 and fast.pad_attention == "fused"
+    assert fast.pad_forward == "lean"
     g = torch.Generator().manual_seed(24)
     frequent = pad.decoding.vocab_prune.frequent_ids(1024)
     prompts = [frequent[torch.randint(0, 1024, (n,), generator=g)].tolist() for n in (5, 9, 7)]
@@ -69,26 +72,34 @@ def test_exact_decoding_with_the_fast_draft_is_the_targets_greedy_output(drafter
 
 def test_each_change_alone_and_what_the_cli_records(monkeypatch):
     model = tiny_model("qwen2", vocab=QWEN_VOCAB, seed=25)
-    assert pad.use_fast_draft(copy.deepcopy(model), vocab=None, int8=False, fused_attention=False) == {}
-    assert pad.use_fast_draft(copy.deepcopy(model), vocab=64, int8=False, fused_attention=False) == {"draft_vocab": 64}
-    assert pad.use_fast_draft(copy.deepcopy(model), fused_attention=False) == {"draft_weights": "int8"}
+    alone = dict(vocab=None, weights=None, fused_attention=False, lean=False)
+    assert pad.use_fast_draft(copy.deepcopy(model), **alone) == {}
+    assert pad.use_fast_draft(copy.deepcopy(model), **{**alone, "vocab": 64}) == {"draft_vocab": 64}
+    assert pad.use_fast_draft(copy.deepcopy(model), **{**alone, "weights": "int8"}) == {"draft_weights": "int8"}
+    assert pad.use_fast_draft(copy.deepcopy(model), **{**alone, "weights": "int4"}) == {"draft_weights": "int4"}
+    assert pad.use_fast_draft(copy.deepcopy(model), **{**alone, "lean": True}) == {"draft_forward": "lean"}
 
     def flags(**kw):
         return argparse.Namespace(**{"fast_draft": False, "draft_vocab": None, "draft_int8": False,
-                                     "draft_attention": "sdpa", **kw})
+                                     "draft_weights": None, "draft_attention": "sdpa", "draft_forward": "hf", **kw})
 
     assert _draft_changes(flags()) == {}
-    full = {"draft_weights": "int8", "draft_attention": "fused"}
+    full = {"draft_weights": "int8", "draft_attention": "fused", "draft_forward": "lean"}
     assert _draft_changes(flags(fast_draft=True)) == full
     assert _draft_changes(flags(fast_draft=True, draft_vocab=4096)) == {"draft_vocab": 4096, **full}
+    assert _draft_changes(flags(fast_draft=True, draft_weights="int4")) == {**full, "draft_weights": "int4"}
     assert _draft_changes(flags(draft_attention="fused")) == {"draft_attention": "fused"}
+    assert _draft_changes(flags(draft_forward="lean")) == {"draft_forward": "lean"}
     assert _draft_changes(flags(draft_int8=True, draft_vocab=8)) == {"draft_vocab": 8, "draft_weights": "int8"}
+    assert _draft_changes(flags(draft_weights="int4")) == {"draft_weights": "int4"}
 
 
 def test_refuses_what_it_cannot_do():
     eager = tiny_model("qwen2", seed=26)
     eager.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="not sdpa"):
-        pad.use_fast_draft(eager, vocab=None, int8=False)
+        pad.use_fast_draft(eager, vocab=None, weights=None)
+    with pytest.raises(ValueError, match="draft weights must be one of"):
+        pad.use_fast_draft(tiny_model("qwen2", seed=27), weights="int2")
     with pytest.raises(ValueError, match="choose 1 to"):
         pad.use_fast_draft(tiny_model("qwen2", seed=27), vocab=10**7)

@@ -60,7 +60,7 @@ def test_every_linear_is_converted_and_the_model_still_predicts(arch):
         dense.lm_head.weight = dense.model.embed_tokens.weight
     quant = copy.deepcopy(dense)
     linears = sum(type(m) is nn.Linear for m in dense.modules())
-    assert use_int8_weights(quant) == linears > 0 and quant.pad_int8
+    assert use_int8_weights(quant) == linears > 0 and quant.pad_weights == "int8"
     assert not any(type(m) is nn.Linear for m in quant.modules()) and vocab_size(quant) == vocab_size(dense)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
     a, b = dense(ids).logits, quant(ids).logits

@@ -196,12 +196,14 @@ def profile_path(model) -> Path | None:
         return None
     p = next(model.parameters())
     key = f"{identity}|{p.device.type}|{p.dtype}|{torch.get_num_threads()}"
-    if getattr(model, "pad_int8", False):  # int8 weights (pad.decoding.int8): another cost, its own profile
-        key += "|int8"
+    if getattr(model, "pad_weights", None):  # int8 / int4 weights (pad.decoding.int8): another cost, its own profile
+        key += f"|{model.pad_weights}"
     if getattr(model, "pad_vocab", None):  # a pruned output layer (pad.decoding.vocab_prune): the same
         key += f"|vocab{model.pad_vocab}"
     if getattr(model, "pad_attention", None):  # pad's fused attention (pad.decoding.fast_draft): the same
         key += f"|attention-{model.pad_attention}"
+    if getattr(model, "pad_forward", None):  # the lean forward (pad.decoding.draft_forward): the same
+        key += f"|forward-{model.pad_forward}"
     return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

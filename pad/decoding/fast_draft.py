@@ -17,27 +17,38 @@ measured costs apart from the unchanged draft's.
 """
 from __future__ import annotations
 
+WEIGHTS = ("int8", "int4")
+FAST_WEIGHTS = "int8"  # --fast-draft's weights
 
-def use_fast_draft(model, vocab: int | None = None, int8: bool = True, fused_attention: bool = True) -> dict:
-    """Apply the changes named (``vocab`` None or 0: keep the whole output layer) to ``model`` in place; returns
-    what was applied as a run log's settings: ``{"draft_vocab": N, "draft_weights": "int8", "draft_attention":
-    "fused"}`` (keys only for what changed). Raises ValueError where this torch or build lacks a piece asked for
-    (int8: ``torch.ops.aten._weight_int8pack_mm``; fused attention: the C++ CPU extension), rather than
-    running something else than asked."""
+
+def use_fast_draft(model, vocab: int | None = None, weights: str | None = "int8", fused_attention: bool = True,
+                   lean: bool = True) -> dict:
+    """Apply the changes named to ``model`` in place: ``vocab`` N (None or 0: keep the whole output layer),
+    ``weights`` "int8" or "int4" (None: unquantized), ``fused_attention``, and ``lean``
+    (the forward of ``pad.decoding.draft_forward``, where the model's family has it; last, as it joins the layers
+    as they then are). Returns what was applied as a run log's settings: ``{"draft_vocab": N, "draft_weights":
+    "int8", "draft_attention": "fused", "draft_forward": "lean"}`` (keys only for what changed). Raises
+    ValueError where this torch or build lacks a piece asked for (a packed matmul for the weights, the C++ CPU
+    extension for the attention), rather than running something else than asked; a model the lean forward does
+    not take keeps its own (no ``draft_forward`` in the settings)."""
     from pad_kernels import attention as kernel
 
     from .attention import use_gqa_sdpa
+    from .draft_forward import use_lean_forward
+    from .int4 import use_int4_weights
     from .int8 import use_int8_weights
     from .vocab_prune import frequent_ids, use_pruned_head
 
+    if weights not in (None, *WEIGHTS):
+        raise ValueError(f"draft weights must be one of {WEIGHTS} or None, got {weights!r}")
     settings = {}
     if vocab:
         settings["draft_vocab"] = use_pruned_head(model, frequent_ids(vocab))
-    if int8:
-        if not use_int8_weights(model):
-            raise ValueError("int8 draft weights: this torch has no int8 packed matmul "
-                             "(torch.ops.aten._weight_int8pack_mm) for the draft's layers here (CPU, bf16 or fp32)")
-        settings["draft_weights"] = "int8"
+    if weights:
+        if not {"int8": use_int8_weights, "int4": use_int4_weights}[weights](model):
+            raise ValueError(f"{weights} draft weights: this torch has no {weights} packed matmul for the draft's "
+                             "layers here (CPU, bf16 or fp32)")
+        settings["draft_weights"] = weights
     if fused_attention:
         if not kernel.available():
             raise ValueError("fused draft attention: the C++ CPU extension (pad_kernels._cpu) is not built")
@@ -46,4 +57,6 @@ def use_fast_draft(model, vocab: int | None = None, int8: bool = True, fused_att
                              f"{getattr(model.config, '_attn_implementation', None)!r}, not sdpa")
         model.pad_attention = "fused"
         settings["draft_attention"] = "fused"
+    if lean and use_lean_forward(model):
+        settings["draft_forward"] = "lean"
     return settings

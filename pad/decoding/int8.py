@@ -4,17 +4,19 @@ Where lookups miss, a block's time is mostly the draft model's forwards, one per
 a forward is memory-bound: its weights are read once per token. Int8 weights with one scale per output row (a
 half of bf16's bytes) are multiplied by bf16 activations in ``torch.ops.aten._weight_int8pack_mm``, PyTorch's
 own CPU kernel; the output layer, the draft's largest matrix, goes too (what it buys: ``python
-bench/forward_cost.py --draft-cost``, bench/README.md).
+bench/forward_cost.py --draft-cost``, bench/README.md). ``pad.decoding.int4`` is the same with 4-bit weights.
 
-Past a few rows, and with fp32 activations, the packed kernel is slower than a dense matmul: there the layer
-multiplies by its dequantized weights (the same int8-rounded values, made at the first such call and kept
-beside the int8 ones, so a model that prefills holds both), so a prompt's prefill keeps dense speed.
+Past a few rows, and with fp32 activations, a packed kernel is slower than a dense matmul: there the layer
+multiplies by its dequantized weights (the same rounded values, made at the first such call and kept beside the
+packed ones, so a model that prefills holds both), so a prompt's prefill keeps dense speed.
 
 Exact decoding stays exact whatever the draft computes: the target decides every token (tests/test_int8.py).
 The draft's proposals, and so the acceptance and speed, change a little; a run log records the draft's weights
-as int8 (``pad-decoding bench --draft-weights int8``), so such runs are never mixed with others.
+(``pad-decoding bench --draft-weights int8``), so such runs are never mixed with others.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -27,34 +29,53 @@ BF16_MULTIPLE = 16  # the bf16 kernel's row length must be a multiple of this; o
 PACKED_MAX_ROWS = 12
 
 
-class Int8Linear(nn.Module):
-    """An ``nn.Linear`` with int8 weights [out, in] and one scale per output row (symmetric, max-abs / 127):
-    [..., in] -> [..., out] in the activations' dtype (bf16 or fp32).
+class PackedLinear(nn.Module):
+    """A linear layer with packed, weight-only quantized weights: [..., in] -> [..., out] in the activations'
+    dtype. Up to ``max_rows`` rows of bf16 activations go through the packed kernel (``packed_mm``); more rows,
+    and fp32 activations, are multiplied by the dequantized weights, made once per dtype.
 
-    Up to ``PACKED_MAX_ROWS`` rows of bf16 activations go through PyTorch's packed int8 kernel; more rows, and
-    fp32 activations (for which that kernel is an order of magnitude slower than a dense matmul), are multiplied
-    by the dequantized weights, made once per dtype: the same int8-rounded weights either way."""
+    Every tensor named in ``ROW_TENSORS`` has the output rows as its first dim, so layers of one kind side by
+    side are one layer of their tensors concatenated (``pad.decoding.draft_forward.concatenated``), where each
+    but the last has a multiple of ``ROW_BLOCK`` rows (a kernel may pack rows in blocks)."""
 
-    def __init__(self, linear: nn.Linear):
+    ROW_TENSORS: tuple[str, ...] = ()
+    ROW_BLOCK = 1
+    max_rows = PACKED_MAX_ROWS
+
+    def __init__(self, in_features: int, tensors: dict):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().float()
-        scales = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self._cast: dict[torch.dtype, torch.Tensor] = {}  # the scales in each activation dtype, made once
+        self.in_features = in_features
+        self.out_features = tensors[self.ROW_TENSORS[0]].shape[0]
+        for name in self.ROW_TENSORS:
+            self.register_buffer(name, tensors[name])
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what was derived from the tensors (after they were replaced)."""
+        self._cast: dict[torch.dtype, object] = {}  # the kernel's extra inputs per activation dtype, made once
         self._dense: dict[torch.dtype, torch.Tensor] = {}  # the dequantized weights [out, in] per dtype, made once
 
+    def kernel_takes(self) -> bool:
+        """Whether the packed kernel takes this layer's shape."""
+        return True
+
     def packed(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` [..., in] goes through the packed int8 kernel."""
-        return (x.dtype == torch.bfloat16 and not self.in_features % BF16_MULTIPLE
-                and x.numel() // self.in_features <= PACKED_MAX_ROWS)
+        """Whether ``x`` [..., in] goes through the packed kernel."""
+        return (x.dtype == torch.bfloat16 and self.kernel_takes()
+                and x.numel() // self.in_features <= self.max_rows)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as a dense fp32 [out, in] matrix."""
+        raise NotImplementedError
+
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in] bf16 @ the weights^T -> [M, out], no bias, on the packed kernel."""
+        raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weights as a dense [out, in] matrix in ``dtype`` (int8 values times their row's scale)."""
+        """The weights as a dense [out, in] matrix in ``dtype``."""
         if dtype not in self._dense:
-            self._dense[dtype] = (self.weight.float() * self.scales[:, None]).to(dtype)
+            self._dense[dtype] = self.dequantize().to(dtype)
         return self._dense[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,14 +84,42 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.packed(x):
-            scales = self._cast.get(x.dtype)
-            if scales is None:
-                scales = self._cast[x.dtype] = self.scales.to(x.dtype)
-            out = packed_mm(rows, self.weight, scales)
+            out = self.packed_mm(rows)
             out = out if bias is None else out + bias
         else:
             out = nn.functional.linear(rows, self.dequantized(x.dtype), bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(PackedLinear):
+    """int8 weights [out, in] with one scale per output row (symmetric, max-abs / 127), ``scales`` [out] fp32,
+    ``bias`` [out] or None. ``Int8Linear(linear)`` quantizes an ``nn.Linear``; ``Int8Linear(weight=...,
+    scales=..., bias=...)`` holds such tensors as given."""
+
+    ROW_TENSORS = ("weight", "scales", "bias")
+
+    def __init__(self, linear: nn.Linear | None = None, *, weight: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        if linear is not None:
+            w = linear.weight.detach().float()
+            scales = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+            weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+        if weight is None or weight.dtype != torch.int8 or scales is None or scales.shape != weight.shape[:1]:
+            raise ValueError("Int8Linear takes an nn.Linear, or int8 weight [out, in] with scales [out]")
+        super().__init__(weight.shape[1], {"weight": weight, "scales": scales, "bias": bias})
+
+    def kernel_takes(self) -> bool:
+        return not self.in_features % BF16_MULTIPLE
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales[:, None]
+
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        scales = self._cast.get(rows.dtype)
+        if scales is None:
+            scales = self._cast[rows.dtype] = self.scales.to(rows.dtype)
+        return packed_mm(rows, self.weight, scales)
 
 
 def packed_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -83,22 +132,28 @@ def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-def use_int8_weights(model: nn.Module) -> int:
-    """Replace every CPU ``nn.Linear`` (bf16 or fp32) of ``model`` with an ``Int8Linear``, the output layer too
-    (a layer registered under two parents is converted once; an input embedding tied to the output layer keeps
-    its own weights). Marks the model (``model.pad_int8 = True``) so that its measured forward costs are kept
-    apart from the unquantized model's. Returns the number of layers replaced (0 where torch lacks the kernel).
-    """
-    if not available():
-        return 0
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+def use_packed_weights(model: nn.Module, quantize: Callable[[nn.Linear], PackedLinear | None], name: str) -> int:
+    """Replace every CPU ``nn.Linear`` (bf16 or fp32) of ``model`` that ``quantize`` takes (it returns None for
+    a layer it leaves as it is) with its packed layer, the output layer too (a layer registered under two parents
+    is converted once; an input embedding tied to the output layer keeps its own weights). Marks the model
+    (``model.pad_weights = name``) so that its measured forward costs are kept apart from the unquantized
+    model's. Returns the number of layers replaced."""
+    swaps = [(parent, attr, child) for parent in model.modules() for attr, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.device.type == "cpu"
              and child.weight.dtype in (torch.float32, torch.bfloat16)]
     converted = {}
-    for parent, name, child in swaps:
+    for parent, attr, child in swaps:
         if id(child) not in converted:
-            converted[id(child)] = Int8Linear(child)
-        setattr(parent, name, converted[id(child)])
-    if converted:
-        model.pad_int8 = True
-    return len(converted)
+            converted[id(child)] = quantize(child)
+        if converted[id(child)] is not None:
+            setattr(parent, attr, converted[id(child)])
+    done = sum(layer is not None for layer in converted.values())
+    if done:
+        model.pad_weights = name
+    return done
+
+
+def use_int8_weights(model: nn.Module) -> int:
+    """Every CPU ``nn.Linear`` of ``model`` to an ``Int8Linear`` (``use_packed_weights``). Returns the number of
+    layers replaced (0 where torch lacks the kernel)."""
+    return use_packed_weights(model, Int8Linear, "int8") if available() else 0
