@@ -1,8 +1,9 @@
 """Where a draft model's time goes while it drafts: K one-token steps of the draft as ``ModelDrafter`` runs them
 (``Decoder`` forwards, argmax), as loaded (SDPA, transformers' cache) and as ``--fast-draft`` runs it (int8
-weights, pad's fused attention, a cache that grows in place), profiled with torch.profiler.
+weights, or ``--weights int4``; pad's fused attention; the lean forward; a cache that grows in place), profiled
+with torch.profiler.
 
-    python bench/draft_profile.py [--batch 1,16] [--prefix 512] [--steps 8] [--rows 8]
+    python bench/draft_profile.py [--batch 1,16] [--prefix 512] [--steps 8] [--rows 8] [--weights int4]
 
 Per batch size and configuration: milliseconds per draft step (median over blocks, unprofiled), then the draft
 steps of two more blocks under the profiler (the prefill left out): the top ATen operators by self CPU time,
@@ -19,7 +20,7 @@ import time
 import torch
 
 from pad.decoding.decoder import Decoder
-from pad.decoding.fast_draft import use_fast_draft
+from pad.decoding.fast_draft import FAST_WEIGHTS, WEIGHTS, use_fast_draft
 from pad.models.registry import DEFAULT_DRAFT, load
 
 
@@ -55,14 +56,15 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", type=int, default=8, help="operators listed per profile")
+    parser.add_argument("--weights", choices=WEIGHTS, default=FAST_WEIGHTS, help="the fast draft's weights")
     args = parser.parse_args()
     loaded, _ = load(args.draft, dtype=args.dtype)
     fast = copy.deepcopy(loaded)
-    use_fast_draft(fast)
+    use_fast_draft(fast, weights=args.weights)
     print(f"{args.draft} {args.dtype}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; {args.prefix}-column prefix, blocks of {args.steps} steps")
     for rows in [int(b) for b in args.batch.split(",")]:
-        for name, model, grow in (("as loaded", loaded, False), ("--fast-draft", fast, True)):
+        for name, model, grow in (("as loaded", loaded, False), (f"--fast-draft, {args.weights}", fast, True)):
             blocks(model, rows, args.prefix, args.steps, grow, 1)  # warm-up
             ms, _ = blocks(model, rows, args.prefix, args.steps, grow, args.repeats)
             profiled, prof = blocks(model, rows, args.prefix, args.steps, grow, 2, profile=True)

@@ -22,12 +22,13 @@ then per shape the measured time, the model fitted to what a decode at the large
 (B = 1 and the largest B, T = 1, 2, 5, 13, S = 128; a decode probes T = 1, 2, 7, 13 at its prompt's width)
 and the model fitted to the whole grid.
 With ``--draft-cost``: what a draft token costs against a target forward over one token, at one row after a
-``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, with int8 weights
-(``pad.use_int8_weights``), with pad's fused attention, with both (``pad.use_fast_draft``, the ``--fast-draft`` of
-the command line), with its output layer pruned to each of the ``--vocab`` most frequent tokens
-(``pad.decoding.vocab_prune``), with int8 weights and each pruned head, and with all three, each with its ratio to
-the target's; with ``--compile`` also the ``--fast-draft`` forward under ``torch.compile`` (``--vocab ""``: no
-pruned heads).
+``--prefix``-column cache, in one run: the target's forward, the draft's forward as loaded, with int8 or int4
+weights (``pad.decoding.int8``, ``pad.decoding.int4``), with pad's fused attention, with it and the lean forward
+(``pad.decoding.draft_forward``), with int8 weights and the fused attention, with the lean forward as well (the
+``--fast-draft`` of the command line), the same with int4 weights, with its output layer pruned to each of the
+``--vocab`` most frequent tokens (``pad.decoding.vocab_prune``), with int8 weights and each pruned head, and with
+the fused attention too, each with its ratio to the target's; with ``--compile`` also the int8, fused-attention
+forward under ``torch.compile`` (``--vocab ""``: no pruned heads).
 With ``--block-sweep``: a verification block's forward over T = 1..64 new tokens per row at each B of
 ``--batch`` (default 1, 4, 16) after a ``--prefix``-column cache (random keys and values in transformers' cache,
 as decoding keeps the target's): milliseconds, the ratio to T = 1 (what a block of K = T - 1 drafts costs
@@ -116,29 +117,37 @@ def draft_cost(target, draft, prefix: int, repeats: int, vocabs: list[int], comp
 
     from pad.decoding.fast_draft import use_fast_draft
 
-    def variant(vocab, int8, fused=False):
+    def variant(vocab, weights, fused=False, lean=False):
         model = copy.deepcopy(draft)
-        use_fast_draft(model, vocab=vocab, weights="int8" if int8 else None, fused_attention=fused, lean=False)
+        use_fast_draft(model, vocab=vocab, weights=weights, fused_attention=fused, lean=lean)
         return model
 
     rows = [("target, one token", one_token_ms(target, prefix, repeats)),
             ("draft as loaded, one token", one_token_ms(draft, prefix, repeats)),
-            ("draft with int8 weights, one token", one_token_ms(variant(None, True), prefix, repeats)),
-            ("draft with the fused attention, one token", one_token_ms(variant(None, False, True), prefix, repeats)),
-            ("draft with int8 weights and the fused attention (--fast-draft), one token",
-             one_token_ms(variant(None, True, True), prefix, repeats))]
+            ("draft with int8 weights, one token", one_token_ms(variant(None, "int8"), prefix, repeats)),
+            ("draft with int4 weights, one token", one_token_ms(variant(None, "int4"), prefix, repeats)),
+            ("draft with the fused attention, one token", one_token_ms(variant(None, None, True), prefix, repeats)),
+            ("draft with the fused attention and the lean forward, one token",
+             one_token_ms(variant(None, None, True, True), prefix, repeats)),
+            ("draft with int8 weights and the fused attention, one token",
+             one_token_ms(variant(None, "int8", True), prefix, repeats)),
+            ("the same with the lean forward (--fast-draft), one token",
+             one_token_ms(variant(None, "int8", True, True), prefix, repeats)),
+            ("draft with int4 weights, the fused attention and the lean forward (--fast-draft --draft-weights "
+             "int4), one token", one_token_ms(variant(None, "int4", True, True), prefix, repeats))]
     if compiled:  # the forward compiled whole (dynamic shapes); transformers' cache update breaks the graph
-        model = variant(None, True, True)
+        model = variant(None, "int8", True)
         model.forward = torch.compile(model.forward, dynamic=True)
-        rows.append(("the same under torch.compile(dynamic=True), one token (after 5 untimed)",
+        rows.append(("draft with int8 weights and the fused attention under torch.compile(dynamic=True), one token "
+                     "(after 5 untimed)",
                      one_token_ms(model, prefix, repeats, warmup=5)))
     for n in vocabs:
         rows.append((f"draft scoring the {n} most frequent tokens, one token",
-                     one_token_ms(variant(n, False), prefix, repeats)))
+                     one_token_ms(variant(n, None), prefix, repeats)))
         rows.append((f"draft scoring the {n} most frequent tokens, int8 weights, one token",
-                     one_token_ms(variant(n, True), prefix, repeats)))
+                     one_token_ms(variant(n, "int8"), prefix, repeats)))
         rows.append((f"draft scoring the {n} most frequent tokens, int8 weights, fused attention, one token",
-                     one_token_ms(variant(n, True, True), prefix, repeats)))
+                     one_token_ms(variant(n, "int8", True), prefix, repeats)))
     print(f"one row, {prefix}-column cache, median of {repeats}")
     print("| forward | ms | x the target's |\n|---|---|---|")
     for name, ms in rows:

@@ -1,10 +1,12 @@
 """A model's fp32 linear layers on the CPU: torch's default (MKL) against oneDNN
 (``pad.decoding.onednn.OneDNNLinear``, what ``use_onednn_linear`` puts in), side by side in one run; with
 ``--int8``, its bf16 linear layers dense against PyTorch's packed int8 kernel (``pad.decoding.int8.packed_mm``),
-the rows up to which ``Int8Linear`` takes that kernel (``PACKED_MAX_ROWS``).
+the rows up to which ``Int8Linear`` takes that kernel (``PACKED_MAX_ROWS``); with ``--int4``, the same for
+``Int4Linear`` (``pad.decoding.int4``, its layers as ``Int4Linear`` holds them).
 
     python bench/linear_cost.py [--model NAME] [--rows 1,16,64,107] [--threads 2] [--repeats 5]
     python bench/linear_cost.py --int8 --model qwen2.5-coder-0.5b-instruct --rows 1,2,4,8,16,32
+    python bench/linear_cost.py --int4 --model qwen2.5-coder-0.5b-instruct --rows 1,2,4,8,16,32
 
 For each number of rows (one token each, as a decode step or the search labeler's running batch): the
 median time of every linear layer of one forward (each shape once, weighted by how many blocks have it,
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from pad.decoding.int4 import Int4Linear
 from pad.decoding.int8 import packed_mm
 from pad.decoding.onednn import OneDNNLinear
 
@@ -42,11 +45,14 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--int8", action="store_true", help="bf16 dense against the packed int8 kernel (above)")
+    parser.add_argument("--int4", action="store_true", help="bf16 dense against the packed int4 kernel (above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = AutoConfig.from_pretrained(resolve(args.model))
     if args.int8:
         return int8_against_dense(args, cfg)
+    if args.int4:
+        return int4_against_dense(args, cfg)
 
     def pair(i, o, bias, rows, g):
         dense = nn.Linear(i, o, bias=bias)
@@ -67,6 +73,16 @@ def int8_against_dense(args, cfg) -> None:
         return lambda: x @ dense.T, lambda: packed_mm(x, q, scales)
 
     side_by_side(args, cfg, "bf16", ("dense bf16", "packed int8", "int8 / dense"), pair, lambda a, b: b / a, digits=1)
+
+
+def int4_against_dense(args, cfg) -> None:
+    def pair(i, o, _, rows, g):
+        layer = Int4Linear(nn.Linear(i, o, bias=False))
+        dense = layer.dequantize().bfloat16()
+        x = torch.randn(rows, i, generator=g).bfloat16()
+        return lambda: x @ dense.T, lambda: layer.packed_mm(x)
+
+    side_by_side(args, cfg, "bf16", ("dense bf16", "packed int4", "int4 / dense"), pair, lambda a, b: b / a, digits=1)
 
 
 def side_by_side(args, cfg, dtype: str, names: tuple, pair, ratio, digits: int) -> None:

@@ -45,14 +45,19 @@ def facts() -> list[tuple[str, str]]:
                   "no: models run in fp32 (bf16 is emulated on this CPU)"))
     from pad_kernels import attention
 
-    from .decoding import int8
+    from .decoding import int4, int8
+    from .decoding.fast_draft import FAST_WEIGHTS
 
-    lines.append(("int8 draft weights", "available (--draft-int8: torch.ops.aten._weight_int8pack_mm)"
-                  if int8.available() else "not in this torch (--draft-int8 is refused)"))
+    lines.append(("int8 draft weights", "available (--draft-weights int8: torch.ops.aten._weight_int8pack_mm)"
+                  if int8.available() else "not in this torch (--draft-weights int8 is refused)"))
+    lines.append(("int4 draft weights", "available (--draft-weights int4: torch.ops.aten._weight_int4pack_mm_for_cpu)"
+                  if int4.available() else "not in this torch (--draft-weights int4 is refused)"))
     lines.append(("fused draft attention", "available (--draft-attention fused: pad's C++ CPU kernel)"
                   if attention.available() else "not built (--draft-attention fused is refused)"))
-    lines.append(("--fast-draft", "available (int8 weights and fused attention)"
-                  if int8.available() and attention.available() else "refused here (a piece above is missing)"))
+    lines.append(("lean draft forward", "available for Llama / Qwen2-family drafts (--draft-forward lean)"))
+    fast = {"int8": int8, "int4": int4}[FAST_WEIGHTS].available() and attention.available()
+    lines.append(("--fast-draft", f"available ({FAST_WEIGHTS} weights, fused attention, lean forward)"
+                  if fast else "refused here (a piece above is missing)"))
     triton = _version("triton")
     lines.append(("triton", f"{triton}; " + ("runs on the GPU" if gpus and triton != "not installed" else
                                                "no GPU: its kernels run here only in the interpreter (tests)")))

@@ -61,31 +61,17 @@ def joinable(layers: list[nn.Module]) -> bool:
 
 
 def concatenated(layers: list[nn.Module]) -> nn.Module:
-    """One layer computing ``layers`` (one kind: nn.Linear or one ``PackedLinear`` class; one input) side by
-    side: [..., in] -> [..., sum of outs]. Each layer's tensors become views of the new layer's (their first dim
-    is the output rows), so no weights are held twice."""
-    kind = type(layers[0])
-    names = kind.ROW_TENSORS if issubclass(kind, PackedLinear) else ("weight", "bias")
-    whole = {}
-    for name in names:
-        parts = [getattr(p, name) for p in layers]
-        if parts[0] is None:
-            whole[name] = None
-            continue
-        whole[name] = torch.cat([x.detach() for x in parts])
-        for layer, view in zip(layers, whole[name].split([x.shape[0] for x in parts])):
-            if isinstance(getattr(layer, name), nn.Parameter):
-                view = nn.Parameter(view, requires_grad=False)
-            setattr(layer, name, view)
-    if issubclass(kind, PackedLinear):
-        for layer in layers:  # what they derived was of the old tensors
-            layer.forget()
-        return kind(**whole)
-    weight, bias = whole["weight"], whole["bias"]
-    joined = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    joined.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        joined.bias = nn.Parameter(bias, requires_grad=False)
+    """One layer computing ``layers`` (all nn.Linear, or ``PackedLinear.joined``) side by side: [..., in] ->
+    [..., sum of outs]. Each layer's weights become views of the new layer's, so no weights are held twice."""
+    if issubclass(type(layers[0]), PackedLinear):
+        return type(layers[0]).joined(layers)
+    sizes = [p.out_features for p in layers]
+    joined = nn.Linear(layers[0].in_features, sum(sizes), bias=layers[0].bias is not None, device="meta")
+    for name in ("weight", "bias") if layers[0].bias is not None else ("weight",):
+        whole = torch.cat([getattr(p, name).detach() for p in layers])
+        for layer, view in zip(layers, whole.split(sizes)):
+            setattr(layer, name, nn.Parameter(view, requires_grad=False))
+        setattr(joined, name, nn.Parameter(whole, requires_grad=False))
     return joined
 
 

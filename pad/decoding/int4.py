@@ -7,7 +7,8 @@ multiplies them by bf16 activations. Weights that came from a 4-bit GGUF file (t
 Q4_K: groups of 32 on a 16-step grid) lose little more: most groups are already on such a grid.
 
 Like ``Int8Linear``, more than ``PACKED_MAX_ROWS`` rows and fp32 activations multiply by the dequantized
-weights. Exact decoding stays exact (the target decides, tests/test_int4.py); the draft's proposals change, so a
+weights, made at once here in the model's dtype (a prefill needs them at once; reading 4-bit weights back takes
+seconds): an int4 layer holds its weights in both forms. Exact decoding stays exact (the target decides, tests/test_int4.py); the draft's proposals change, so a
 run log records the draft's weights as int4 and acceptance is measured (bench/README.md).
 """
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Int4Linear(PackedLinear):
             raise ValueError("Int4Linear takes an nn.Linear, or packed weight [out, in / 2] with scales_zeros "
                              f"[out, in / {GROUP}, 2]")
         super().__init__(weight.shape[1] * 2, {"weight": weight, "scales_zeros": scales_zeros, "bias": bias})
+        if linear is not None:  # made now, from q: reading 4-bit weights back is slow (``dequantize``)
+            self._dense[linear.weight.dtype] = dequantized(q, scales_zeros).to(linear.weight.dtype)
 
     def _kernel_scales(self, dtype: torch.dtype) -> torch.Tensor:
         # The kernel reads [in / GROUP, out, 2] and must get it contiguous (a strided view computes garbage).
@@ -57,13 +60,15 @@ class Int4Linear(PackedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, GROUP, self._kernel_scales(rows.dtype))
 
     def dequantize(self) -> torch.Tensor:
-        # The kernel's own dequantization, read back: the identity times the weights, in fp32, in slices.
-        scales = self._kernel_scales(torch.float32)
-        eye = torch.eye(self.in_features, dtype=torch.float32)
-        parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(eye[i:i + 256], self.weight, GROUP, scales)
-                 for i in range(0, self.in_features, 256)]
-        del self._cast[torch.float32]
-        return torch.cat(parts).T.contiguous()
+        # The 4-bit values as the kernel unpacks them, read back through it: the identity (bf16) times the
+        # weights with scale 1 and zero 0 gives q - 8 exactly (fast in bf16, where fp32 crawls); then the
+        # groups' scales and zeros in fp32.
+        unit = torch.zeros_like(self._kernel_scales(torch.bfloat16))
+        unit[..., 0] = 1
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        steps = torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(eye[i:i + 256], self.weight, GROUP, unit)
+                           for i in range(0, self.in_features, 256)]).T.float()  # [out, in]: q - 8
+        return dequantized(steps + 8, self.scales_zeros)
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +82,13 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero = (low + 8 * scale).to(torch.bfloat16).float()
     q = (torch.round((groups - zero[..., None]) / scale[..., None]) + 8).clamp(0, 15).to(torch.int32)
     return q.view(out, inputs), torch.stack([scale, zero], -1).to(torch.bfloat16)
+
+
+def dequantized(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """q [out, in] in 0..15 and scales_zeros [out, in / GROUP, 2] -> the weights [out, in] fp32: (q - 8) * scale +
+    zero, as the kernel computes them."""
+    scale, zero = scales_zeros.float().repeat_interleave(GROUP, 1).unbind(-1)
+    return (q.float() - 8) * scale + zero
 
 
 def takes(linear: nn.Linear) -> bool:

@@ -35,8 +35,8 @@ class PackedLinear(nn.Module):
     and fp32 activations, are multiplied by the dequantized weights, made once per dtype.
 
     Every tensor named in ``ROW_TENSORS`` has the output rows as its first dim, so layers of one kind side by
-    side are one layer of their tensors concatenated (``pad.decoding.draft_forward.concatenated``), where each
-    but the last has a multiple of ``ROW_BLOCK`` rows (a kernel may pack rows in blocks)."""
+    side are one layer of their tensors concatenated (``joined``), where each but the last has a multiple of
+    ``ROW_BLOCK`` rows (a kernel may pack rows in blocks)."""
 
     ROW_TENSORS: tuple[str, ...] = ()
     ROW_BLOCK = 1
@@ -54,6 +54,35 @@ class PackedLinear(nn.Module):
         """Drop what was derived from the tensors (after they were replaced)."""
         self._cast: dict[torch.dtype, object] = {}  # the kernel's extra inputs per activation dtype, made once
         self._dense: dict[torch.dtype, torch.Tensor] = {}  # the dequantized weights [out, in] per dtype, made once
+
+    @classmethod
+    def joined(cls, layers: list["PackedLinear"]) -> "PackedLinear":
+        """One layer computing ``layers`` (this class, one input) side by side, [..., in] -> [..., sum of outs]:
+        their tensors (and dequantized weights) concatenated, each layer's own becoming views of the new layer's,
+        so nothing is held twice. Each but the last must have a multiple of ``ROW_BLOCK`` rows."""
+        if any(type(p) is not cls for p in layers) or any(p.out_features % cls.ROW_BLOCK for p in layers[:-1]):
+            raise ValueError(f"only {cls.__name__} layers of whole {cls.ROW_BLOCK}-row blocks are joined")
+        sizes = [p.out_features for p in layers]
+
+        def join(parts: list[torch.Tensor | None], rebind) -> torch.Tensor | None:
+            if parts[0] is None:
+                return None
+            whole = torch.cat(parts)
+            for layer, view in zip(layers, whole.split(sizes)):
+                rebind(layer, view)
+            return whole
+
+        whole = {name: join([getattr(p, name) for p in layers], lambda layer, view, n=name: setattr(layer, n, view))
+                 for name in cls.ROW_TENSORS}
+        dense = {dtype: join([p._dense[dtype] for p in layers],
+                             lambda layer, view, d=dtype: layer._dense.__setitem__(d, view))
+                 for dtype in set.intersection(*(set(p._dense) for p in layers))}
+        for layer in layers:
+            layer._cast = {}  # made from the old tensors
+            layer._dense = {d: layer._dense[d] for d in dense}
+        out = cls(**whole)
+        out._dense.update(dense)
+        return out
 
     def kernel_takes(self) -> bool:
         """Whether the packed kernel takes this layer's shape."""
