@@ -103,3 +103,22 @@ def test_refuses_what_it_cannot_do():
         pad.use_fast_draft(tiny_model("qwen2", seed=27), weights="int2")
     with pytest.raises(ValueError, match="choose 1 to"):
         pad.use_fast_draft(tiny_model("qwen2", seed=27), vocab=10**7)
+
+
+def test_each_change_keeps_its_own_measured_costs(tmp_path, monkeypatch):
+    """-k auto learns a draft's forward costs per model state: every change of the draft has its own profile."""
+    from transformers import AutoModelForCausalLM
+
+    from pad.decoding.draft_length import profile_path
+
+    monkeypatch.setenv("PAD_CACHE", str(tmp_path / "cache"))
+    tiny_model("qwen2", hidden=64, seed=28).save_pretrained(tmp_path / "draft")
+
+    def changed(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+        pad.use_fast_draft(model, **{"weights": None, "fused_attention": False, "lean": False, **kw})
+        return profile_path(model)
+
+    paths = [changed(), changed(weights="int8"), changed(weights="int4"), changed(fused_attention=True),
+             changed(lean=True), changed(weights="int8", fused_attention=True, lean=True)]
+    assert None not in paths and len(set(paths)) == len(paths)
