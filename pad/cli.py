@@ -10,8 +10,8 @@ import sys
 import threading
 
 from .decoding.drafters import NAMES as DRAFTERS
-from .decoding.fast_draft import FAST_WEIGHTS
 from .decoding.drafters import NEEDS_MODEL
+from .decoding.fast_draft import FAST_WEIGHTS
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
 from .errors import PadError

@@ -1,8 +1,8 @@
 """A draft model's forward as one plain loop over its layers, without transformers' per-call machinery.
 
-At one row a draft token's forward reads the draft's weights once, and with int8 weights that takes about 15 ms
-of the 0.5B draft's 21 ms a step: the rest is Python, most of it transformers' generic forward (mask and
-output plumbing, kwargs and hooks through some ten module calls per layer), spent again for every draft token.
+At one row a draft token's forward reads the draft's weights once; with quantized weights that is most of a
+step, and much of the rest is Python, most of it transformers' generic forward (mask and output plumbing,
+kwargs and hooks through some ten module calls per layer), spent again for every draft token.
 ``use_lean_forward(model)`` replaces the model's forward with ``LeanForward``: the same computation for the
 Llama / Qwen2 family (embedding; per layer RMSNorm, q/k/v with their biases, rotary positions, attention over the
 KV cache, o; RMSNorm, gated SiLU MLP; final RMSNorm and the output layer over the last positions kept), with

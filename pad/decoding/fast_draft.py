@@ -4,9 +4,12 @@ Where lookups miss, a block's time is mostly the draft's forwards, one per draft
 forward reads all the draft's weights once (memory-bound), and one new token's attention over a long cache in
 SDPA's CPU kernel costs about as much again as the layers' matmuls at 16 rows. ``use_fast_draft`` changes:
 
-- the linear layers to int8 weights (``pad.decoding.int8``),
+- the linear layers to int8 weights (``pad.decoding.int8``), or with ``weights="int4"`` to 4-bit ones
+  (``pad.decoding.int4``),
 - attention to pad's fused CPU kernel (``pad.decoding.attention``, ``fused_cpu=True``), which reads each
   key/value head once for every query head it serves,
+- the forward to a plain loop over the layers (``pad.decoding.draft_forward``, Llama / Qwen2 family), without
+  transformers' per-call Python,
 - with ``vocab`` N only, the output layer to the N most frequent tokens (``pad.decoding.vocab_prune``; first,
   so that its rows are quantized as a layer of their own). Not by default: on GSM8K and HumanEval replies
   pruning cost more acceptance than it saved time (bench/README.md, "What a draft token costs").

@@ -8,8 +8,9 @@ Q4_K: groups of 32 on a 16-step grid) lose little more: most groups are already 
 
 Like ``Int8Linear``, more than ``PACKED_MAX_ROWS`` rows and fp32 activations multiply by the dequantized
 weights, made at once here in the model's dtype (a prefill needs them at once; reading 4-bit weights back takes
-seconds): an int4 layer holds its weights in both forms. Exact decoding stays exact (the target decides, tests/test_int4.py); the draft's proposals change, so a
-run log records the draft's weights as int4 and acceptance is measured (bench/README.md).
+seconds): an int4 layer holds its weights in both forms. Exact decoding stays exact (the target decides,
+tests/test_int4.py); the draft's proposals change, so a run log records the draft's weights as int4 and
+acceptance is measured (bench/README.md).
 """
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from torch import nn
 from .int8 import PackedLinear, use_packed_weights
 
 GROUP = 32  # weights per scale and zero point: the fastest of torch's group sizes at one row, and Q4_K's own
-ROW_MULTIPLE = 16  # the kernel packs output rows in blocks of this many
-# As ``pad.decoding.int8.PACKED_MAX_ROWS``, for this kernel (``python bench/linear_cost.py --int8``).
+ROW_MULTIPLE = 16  # the kernel takes a multiple of this many output rows
+# As ``pad.decoding.int8.PACKED_MAX_ROWS``, for this kernel: it too is level with a dense bf16 matmul at 16 rows
+# (``python bench/linear_cost.py --int4``).
 PACKED_MAX_ROWS = 12
 
 
 class Int4Linear(PackedLinear):
-    """4-bit weights, ``weight`` [out, in / 2] uint8 in the kernel's packed layout (each output row packed on its
-    own), ``scales_zeros`` [out, in / GROUP, 2] bf16 (scale, zero point: a weight is (q - 8) * scale + zero for
+    """4-bit weights, ``weight`` [out, in / 2] uint8 in the kernel's packed layout (rows in blocks of
+    ``ROW_BLOCK``), ``scales_zeros`` [out, in / GROUP, 2] bf16 (scale, zero point: a weight is (q - 8) * scale + zero for
     its 4-bit q), ``bias`` [out] or None."""
 
     ROW_TENSORS = ("weight", "scales_zeros", "bias")
