@@ -11,7 +11,7 @@ import threading
 
 from .decoding.drafters import NAMES as DRAFTERS
 from .decoding.drafters import NEEDS_MODEL
-from .decoding.fast_draft import FAST_WEIGHTS
+from .decoding.fast_draft import FAST_WEIGHTS, fast_weights
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
 from .errors import PadError
@@ -65,8 +65,10 @@ def _draft_changes(args) -> dict:
     if vocab:
         changes["draft_vocab"] = vocab
     weights = getattr(args, "draft_weights", None) or ("int8" if getattr(args, "draft_int8", False) else None)
-    if weights or fast:
-        changes["draft_weights"] = weights or FAST_WEIGHTS
+    if fast and not weights:
+        weights = fast_weights(getattr(args, "dtype", None))  # none in fp32, where they buy no speed
+    if weights:
+        changes["draft_weights"] = weights
     if fast or getattr(args, "draft_attention", "sdpa") == "fused":
         changes["draft_attention"] = "fused"
     if fast or getattr(args, "draft_forward", "hf") == "lean":
@@ -99,9 +101,9 @@ def _add_models(parser) -> None:
                         help="the draft's forward: transformers', or pad's plain loop over its layers (Llama / Qwen2 "
                              "family; less Python per draft token; lossless: the target decides)")
     parser.add_argument("--fast-draft", action="store_true",
-                        help="the cheapest draft on a CPU: --draft-weights %s --draft-attention fused --draft-forward "
-                             "lean (with the whole vocabulary: pruning it lost more acceptance than it saved); exact "
-                             "decoding stays exact" % FAST_WEIGHTS)
+                        help="the cheapest draft on a CPU: --draft-weights %s (not in fp32, where quantized weights "
+                             "buy no speed) --draft-attention fused --draft-forward lean (with the whole vocabulary: "
+                             "pruning it lost more acceptance than it saved); exact decoding stays exact" % FAST_WEIGHTS)
 
 
 def _add_task(parser, split: str) -> None:

@@ -92,6 +92,18 @@ def test_each_change_alone_and_what_the_cli_records(monkeypatch):
     assert _draft_changes(flags(draft_forward="lean")) == {"draft_forward": "lean"}
     assert _draft_changes(flags(draft_int8=True, draft_vocab=8)) == {"draft_vocab": 8, "draft_weights": "int8"}
     assert _draft_changes(flags(draft_weights="int4")) == {"draft_weights": "int4"}
+    # fp32: the packed kernels take bf16 only, so --fast-draft leaves the weights; asked for, they are quantized
+    assert _draft_changes(flags(fast_draft=True, dtype="float32")) == {k: full[k] for k in full if k != "draft_weights"}
+    assert _draft_changes(flags(fast_draft=True, dtype="bfloat16")) == full
+    assert _draft_changes(flags(fast_draft=True, dtype="float32", draft_int8=True)) == full
+
+
+def test_the_default_weights_follow_the_dtype():
+    """use_fast_draft's default: int8 weights for a bf16 draft, none for an fp32 one (dense either way there)."""
+    model = tiny_model("qwen2", hidden=64, seed=29)
+    fp32 = pad.use_fast_draft(copy.deepcopy(model), fused_attention=False, lean=False)
+    bf16 = pad.use_fast_draft(copy.deepcopy(model).to(torch.bfloat16), fused_attention=False, lean=False)
+    assert fp32 == {} and bf16 == {"draft_weights": "int8"}
 
 
 def test_refuses_what_it_cannot_do():

@@ -5,7 +5,7 @@ forward reads all the draft's weights once (memory-bound), and one new token's a
 SDPA's CPU kernel costs about as much again as the layers' matmuls at 16 rows. ``use_fast_draft`` changes:
 
 - the linear layers to int8 weights (``pad.decoding.int8``), or with ``weights="int4"`` to 4-bit ones
-  (``pad.decoding.int4``),
+  (``pad.decoding.int4``); by default not in fp32, where they would buy no speed (``fast_weights``),
 - attention to pad's fused CPU kernel (``pad.decoding.attention``, ``fused_cpu=True``), which reads each
   key/value head once for every query head it serves,
 - the forward to a plain loop over the layers (``pad.decoding.draft_forward``, Llama / Qwen2 family), without
@@ -24,10 +24,18 @@ WEIGHTS = ("int8", "int4")
 FAST_WEIGHTS = "int8"  # --fast-draft's weights
 
 
-def use_fast_draft(model, vocab: int | None = None, weights: str | None = "int8", fused_attention: bool = True,
+def fast_weights(dtype) -> str | None:
+    """The weights ``--fast-draft`` gives a draft of ``dtype`` (a torch dtype or its name): ``FAST_WEIGHTS``, but
+    none in fp32, whose activations multiply quantized weights densely (the packed kernels take bf16 only):
+    rounded weights there would cost acceptance and buy no speed."""
+    return None if str(dtype).removeprefix("torch.") == "float32" else FAST_WEIGHTS
+
+
+def use_fast_draft(model, vocab: int | None = None, weights: str | None = "auto", fused_attention: bool = True,
                    lean: bool = True) -> dict:
     """Apply the changes named to ``model`` in place: ``vocab`` N (None or 0: keep the whole output layer),
-    ``weights`` "int8" or "int4" (None: unquantized), ``fused_attention``, and ``lean``
+    ``weights`` "int8" or "int4" (None: unquantized; "auto": ``fast_weights(model)``), ``fused_attention``, and
+    ``lean``
     (the forward of ``pad.decoding.draft_forward``, where the model's family has it; last, as it joins the layers
     as they then are). Returns what was applied as a run log's settings: ``{"draft_vocab": N, "draft_weights":
     "int8", "draft_attention": "fused", "draft_forward": "lean"}`` (keys only for what changed). Raises
@@ -42,6 +50,8 @@ def use_fast_draft(model, vocab: int | None = None, weights: str | None = "int8"
     from .int8 import use_int8_weights
     from .vocab_prune import frequent_ids, use_pruned_head
 
+    if weights == "auto":
+        weights = fast_weights(next(model.parameters()).dtype)
     if weights not in (None, *WEIGHTS):
         raise ValueError(f"draft weights must be one of {WEIGHTS} or None, got {weights!r}")
     settings = {}
