@@ -55,8 +55,10 @@ def facts() -> list[tuple[str, str]]:
     lines.append(("fused draft attention", "available (--draft-attention fused: pad's C++ CPU kernel)"
                   if attention.available() else "not built (--draft-attention fused is refused)"))
     lines.append(("lean draft forward", "available for Llama / Qwen2-family drafts (--draft-forward lean)"))
-    fast = {"int8": int8, "int4": int4}[FAST_WEIGHTS].available() and attention.available()
-    lines.append(("--fast-draft", f"available ({FAST_WEIGHTS} weights, fused attention, lean forward)"
+    weights = FAST_WEIGHTS if native_bf16() else None  # fp32 drafts keep their weights (fast_draft.fast_weights)
+    fast = (weights is None or {"int8": int8, "int4": int4}[weights].available()) and attention.available()
+    what = f"{weights} weights" if weights else "weights unquantized in fp32"
+    lines.append(("--fast-draft", f"available ({what}, fused attention, lean forward)"
                   if fast else "refused here (a piece above is missing)"))
     triton = _version("triton")
     lines.append(("triton", f"{triton}; " + ("runs on the GPU" if gpus and triton != "not installed" else
