@@ -101,9 +101,10 @@ def _add_models(parser) -> None:
                         help="the draft's forward: transformers', or pad's plain loop over its layers (Llama / Qwen2 "
                              "family; less Python per draft token; lossless: the target decides)")
     parser.add_argument("--fast-draft", action="store_true",
-                        help="the cheapest draft on a CPU: --draft-weights %s (not in fp32, where quantized weights "
-                             "buy no speed) --draft-attention fused --draft-forward lean (with the whole vocabulary: "
-                             "pruning it lost more acceptance than it saved); exact decoding stays exact" % FAST_WEIGHTS)
+                        help=f"the cheapest draft on a CPU: --draft-weights {FAST_WEIGHTS} (not in fp32, where "
+                             "quantized weights buy no speed) --draft-attention fused --draft-forward lean (with the "
+                             "whole vocabulary: pruning it lost more acceptance than it saved); exact decoding stays "
+                             "exact")
 
 
 def _add_task(parser, split: str) -> None:

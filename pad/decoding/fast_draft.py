@@ -34,14 +34,13 @@ def fast_weights(dtype) -> str | None:
 def use_fast_draft(model, vocab: int | None = None, weights: str | None = "auto", fused_attention: bool = True,
                    lean: bool = True) -> dict:
     """Apply the changes named to ``model`` in place: ``vocab`` N (None or 0: keep the whole output layer),
-    ``weights`` "int8" or "int4" (None: unquantized; "auto": ``fast_weights(model)``), ``fused_attention``, and
-    ``lean``
-    (the forward of ``pad.decoding.draft_forward``, where the model's family has it; last, as it joins the layers
-    as they then are). Returns what was applied as a run log's settings: ``{"draft_vocab": N, "draft_weights":
-    "int8", "draft_attention": "fused", "draft_forward": "lean"}`` (keys only for what changed). Raises
-    ValueError where this torch or build lacks a piece asked for (a packed matmul for the weights, the C++ CPU
-    extension for the attention), rather than running something else than asked; a model the lean forward does
-    not take keeps its own (no ``draft_forward`` in the settings)."""
+    ``weights`` "int8" or "int4" (None: unquantized; "auto": ``fast_weights`` of the model's dtype),
+    ``fused_attention``, and ``lean`` (the forward of ``pad.decoding.draft_forward``, where the model's family
+    has it; last, as it joins the layers as they then are). Returns what was applied as a run log's settings:
+    ``{"draft_vocab": N, "draft_weights": "int8", "draft_attention": "fused", "draft_forward": "lean"}`` (keys
+    only for what changed). Raises ValueError where this torch or build lacks a piece asked for (a packed matmul
+    for the weights, the C++ CPU extension for the attention), rather than running something else than asked; a
+    model the lean forward does not take keeps its own (no ``draft_forward`` in the settings)."""
     from pad_kernels import attention as kernel
 
     from .attention import use_gqa_sdpa

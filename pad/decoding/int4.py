@@ -28,8 +28,8 @@ PACKED_MAX_ROWS = 12
 
 class Int4Linear(PackedLinear):
     """4-bit weights, ``weight`` [out, in / 2] uint8 in the kernel's packed layout (rows in blocks of
-    ``ROW_BLOCK``), ``scales_zeros`` [out, in / GROUP, 2] bf16 (scale, zero point: a weight is (q - 8) * scale + zero for
-    its 4-bit q), ``bias`` [out] or None."""
+    ``ROW_BLOCK``), ``scales_zeros`` [out, in / GROUP, 2] bf16 (scale, zero point: a weight is (q - 8) * scale +
+    zero for its 4-bit q), ``bias`` [out] or None."""
 
     ROW_TENSORS = ("weight", "scales_zeros", "bias")
     ROW_BLOCK = 64  # the kernel packs rows in blocks of 64 (a last, shorter block on its own)
