@@ -16,6 +16,7 @@ The draft's proposals, and so the acceptance and speed, change a little; a run l
 """
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import torch
@@ -29,7 +30,7 @@ BF16_MULTIPLE = 16  # the bf16 kernel's row length must be a multiple of this; o
 PACKED_MAX_ROWS = 12
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(nn.Module, metaclass=abc.ABCMeta):
     """A linear layer with packed, weight-only quantized weights: [..., in] -> [..., out] in the activations'
     dtype. Up to ``max_rows`` rows of bf16 activations go through the packed kernel (``packed_mm``); more rows,
     and fp32 activations, are multiplied by the dequantized weights, made once per dtype.
@@ -93,13 +94,13 @@ class PackedLinear(nn.Module):
         return (x.dtype == torch.bfloat16 and self.kernel_takes()
                 and x.numel() // self.in_features <= self.max_rows)
 
+    @abc.abstractmethod
     def dequantize(self) -> torch.Tensor:
         """The weights as a dense fp32 [out, in] matrix."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, in] bf16 @ the weights^T -> [M, out], no bias, on the packed kernel."""
-        raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights as a dense [out, in] matrix in ``dtype``."""
