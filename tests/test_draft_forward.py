@@ -10,7 +10,9 @@ from torch import nn
 
 import pad
 from pad.decoding.decoder import Decoder, left_pad
-from pad.decoding.draft_forward import LeanForward, supports, use_lean_forward
+from pad.decoding.draft_forward import LeanForward, concatenated, joinable, supports, use_lean_forward
+from pad.decoding.int4 import Int4Linear
+from pad.decoding.int8 import Int8Linear
 from pad_kernels import attention
 from tiny import greedy_from_scratch, tiny_model, tiny_pair
 
@@ -88,6 +90,26 @@ def test_no_weights_are_held_twice_and_transformers_forward_still_works(weights)
         own = type(model).forward(model, input_ids=ids).logits  # transformers' forward over the views
         torch.testing.assert_close(own, before(ids).logits, rtol=0, atol=0)
         torch.testing.assert_close(model(ids).logits, own, rtol=2e-5, atol=2e-5)
+
+
+def test_join_takes_only_layers_of_one_kind():
+    """``concatenated`` joins layers of one kind (nn.Linear all with or all without biases, or packed layers of
+    one class in whole row blocks) and refuses the rest rather than drop a bias or misalign packed rows."""
+    g = torch.Generator().manual_seed(40)
+    plain = [nn.Linear(32, n) for n in (16, 8)]
+    x = torch.randn(3, 32, generator=g)
+    with torch.no_grad():
+        want = torch.cat([p(x) for p in plain], -1)
+        torch.testing.assert_close(concatenated(plain)(x), want, rtol=0, atol=0)
+    mixed = [nn.Linear(32, 16), nn.Linear(32, 8, bias=False)]
+    assert not joinable(mixed)
+    with pytest.raises(ValueError, match="biases"):
+        concatenated(mixed)
+    int4 = [Int4Linear(nn.Linear(64, n)) for n in (32, 64)]  # 32 rows: not a whole block
+    assert not joinable(int4) and joinable(int4[::-1])
+    with pytest.raises(ValueError, match="64-row blocks"):
+        concatenated(int4)
+    assert not joinable([Int8Linear(nn.Linear(64, 16)), nn.Linear(64, 16)])
 
 
 def test_refuses_models_it_does_not_compute():

@@ -22,7 +22,7 @@ from torch import nn
 
 from .attention import fused_cpu_attention
 from .hf import decoder_layers, text_config
-from .int8 import PackedLinear
+from .int8 import PackedLinear, joined_rows
 
 FAMILIES = ("llama", "qwen2")
 
@@ -54,23 +54,24 @@ def supports(model) -> str | None:
 
 
 def joinable(layers: list[nn.Module]) -> bool:
-    """Whether ``concatenated`` takes ``layers``: one kind, and each but the last a whole number of its blocks."""
-    kind = type(layers[0])
-    block = getattr(kind, "ROW_BLOCK", 1)
-    return all(type(p) is kind for p in layers) and all(not p.out_features % block for p in layers[:-1])
+    """Whether ``concatenated`` takes ``layers``: all nn.Linear with or all without biases, or ``PackedLinear.joinable``."""
+    if isinstance(layers[0], PackedLinear):
+        return type(layers[0]).joinable(layers)
+    return all(type(p) is nn.Linear and (p.bias is None) == (layers[0].bias is None) for p in layers)
 
 
 def concatenated(layers: list[nn.Module]) -> nn.Module:
     """One layer computing ``layers`` (all nn.Linear, or ``PackedLinear.joined``) side by side: [..., in] ->
     [..., sum of outs]. Each layer's weights become views of the new layer's, so no weights are held twice."""
-    if issubclass(type(layers[0]), PackedLinear):
+    if isinstance(layers[0], PackedLinear):
         return type(layers[0]).joined(layers)
-    sizes = [p.out_features for p in layers]
-    joined = nn.Linear(layers[0].in_features, sum(sizes), bias=layers[0].bias is not None, device="meta")
+    if not joinable(layers):
+        raise ValueError("only nn.Linear layers that all have, or all lack, biases are joined")
+    joined = nn.Linear(layers[0].in_features, sum(p.out_features for p in layers), bias=layers[0].bias is not None,
+                       device="meta")
     for name in ("weight", "bias") if layers[0].bias is not None else ("weight",):
-        whole = torch.cat([getattr(p, name).detach() for p in layers])
-        for layer, view in zip(layers, whole.split(sizes)):
-            setattr(layer, name, nn.Parameter(view, requires_grad=False))
+        whole = joined_rows(layers, [getattr(p, name).detach() for p in layers],
+                            lambda layer, view, n=name: setattr(layer, n, nn.Parameter(view, requires_grad=False)))
         setattr(joined, name, nn.Parameter(whole, requires_grad=False))
     return joined
 

@@ -30,6 +30,18 @@ BF16_MULTIPLE = 16  # the bf16 kernel's row length must be a multiple of this; o
 PACKED_MAX_ROWS = 12
 
 
+def joined_rows(layers: list[nn.Module], parts: list[torch.Tensor | None],
+                rebind: Callable[[nn.Module, torch.Tensor], None]) -> torch.Tensor | None:
+    """``parts`` (one tensor per layer, output rows first, or all None) concatenated along the rows; each layer's
+    part is rebound (``rebind(layer, view)``) to its rows of the result, so the rows are held once."""
+    if parts[0] is None:
+        return None
+    whole = torch.cat(parts)
+    for layer, view in zip(layers, whole.split([p.shape[0] for p in parts])):
+        rebind(layer, view)
+    return whole
+
+
 class PackedLinear(nn.Module, metaclass=abc.ABCMeta):
     """A linear layer with packed, weight-only quantized weights: [..., in] -> [..., out] in the activations'
     dtype. Up to ``max_rows`` rows of bf16 activations go through the packed kernel (``packed_mm``); more rows,
@@ -57,26 +69,22 @@ class PackedLinear(nn.Module, metaclass=abc.ABCMeta):
         self._dense: dict[torch.dtype, torch.Tensor] = {}  # the dequantized weights [out, in] per dtype, made once
 
     @classmethod
+    def joinable(cls, layers: list[nn.Module]) -> bool:
+        """Whether ``joined`` takes ``layers``: all of this class, each but the last of whole ``ROW_BLOCK`` blocks."""
+        return all(type(p) is cls for p in layers) and not any(p.out_features % cls.ROW_BLOCK for p in layers[:-1])
+
+    @classmethod
     def joined(cls, layers: list["PackedLinear"]) -> "PackedLinear":
         """One layer computing ``layers`` (this class, one input) side by side, [..., in] -> [..., sum of outs]:
         their tensors (and dequantized weights) concatenated, each layer's own becoming views of the new layer's,
         so nothing is held twice. Each but the last must have a multiple of ``ROW_BLOCK`` rows."""
-        if any(type(p) is not cls for p in layers) or any(p.out_features % cls.ROW_BLOCK for p in layers[:-1]):
+        if not cls.joinable(layers):
             raise ValueError(f"only {cls.__name__} layers of whole {cls.ROW_BLOCK}-row blocks are joined")
-        sizes = [p.out_features for p in layers]
-
-        def join(parts: list[torch.Tensor | None], rebind) -> torch.Tensor | None:
-            if parts[0] is None:
-                return None
-            whole = torch.cat(parts)
-            for layer, view in zip(layers, whole.split(sizes)):
-                rebind(layer, view)
-            return whole
-
-        whole = {name: join([getattr(p, name) for p in layers], lambda layer, view, n=name: setattr(layer, n, view))
+        whole = {name: joined_rows(layers, [getattr(p, name) for p in layers],
+                                   lambda layer, view, n=name: setattr(layer, n, view))
                  for name in cls.ROW_TENSORS}
-        dense = {dtype: join([p._dense[dtype] for p in layers],
-                             lambda layer, view, d=dtype: layer._dense.__setitem__(d, view))
+        dense = {dtype: joined_rows(layers, [p._dense[dtype] for p in layers],
+                                    lambda layer, view, d=dtype: layer._dense.__setitem__(d, view))
                  for dtype in set.intersection(*(set(p._dense) for p in layers))}
         for layer in layers:
             layer._cast = {}  # made from the old tensors
