@@ -39,6 +39,8 @@ V = 151936
 # its sums in fp64) and logits in flight per stats program.
 BACKENDS = {"triton": dict(state_bytes=7 * 4 + 3 * 8, chunk=1024), "cuda": dict(state_bytes=56, chunk=8 * 256)}
 PLAIN_STATS = "SCALED=False, HAS_DRAFT=False, RANKED=False, HAS_ROWS=False, HAS_RR=False"  # greedy, no draft logits, no rank: the model's case
+PLAIN_ACCEPT = ("HAS_CLF=False, HAS_BIAS=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False, "
+                "HAS_ROWS=False, HAS_RR=False")  # the same case without a classifier
 
 
 def resident(r: dict) -> int:
@@ -82,8 +84,7 @@ def resources_table() -> dict:
 
     out = {}
     for name, kernel, sig, constexprs in jobs():
-        plain_accept = "HAS_CLF=False, SAMPLING=False, HAS_ND=False, RULE=exact, HAS_DRAFT=False, HAS_ROWS=False, " \
-                       "HAS_RR=False" in name
+        plain_accept = PLAIN_ACCEPT in name
         if ("bf16" in name or "fp32" in name) and ((name.startswith("split_stats_kernel[") and PLAIN_STATS in name) or plain_accept):
             out[name] = resources(compile_kernel(kernel, sig, constexprs, 90))
     for name, r in cuda_resources(90).items():
@@ -111,8 +112,7 @@ def main() -> None:
             for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
                 if backend == "triton":
                     res = {"stats": table[f"split_stats_kernel[{dtype}, {PLAIN_STATS}]"],
-                           "accept": table[f"accept_kernel[{dtype}, HAS_CLF=False, SAMPLING=False, HAS_ND=False, "
-                                           "RULE=exact, HAS_DRAFT=False, HAS_ROWS=False, HAS_RR=False]"]}
+                           "accept": table[f"accept_kernel[{dtype}, {PLAIN_ACCEPT}]"]}
                 else:
                     res = {"stats": table[f"split_stats_kernel[{dtype}]"], "accept": table[f"accept_kernel[{dtype}, {dtype}]"]}
                 for B in (1, 8, 32):

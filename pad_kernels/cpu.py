@@ -56,15 +56,16 @@ def verify_block_cpu(
     draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
     row_rules: torch.Tensor | None = None,  # [B, 6] fp32
     logit_rows: torch.Tensor | None = None,  # [B, K+1] int64 (target_logits, draft_probs: [R, V])
+    classifier_bias: torch.Tensor | None = None,  # [B, K, D] fp32
     out: VerifyResult | None = None,
 ) -> VerifyResult:
     """Same contract as ``verify_block_ref``; writes into ``out`` when given (tests poison it first)."""
     B, K = draft_tokens.shape
     out = out if out is not None else empty_result(B, K, target_logits.device)
-    hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
-                                                      exponentials, target_logits.device)
+    hidden, w1, b1, w2, b2, bias, *draws = extension_inputs(hidden, classifier, classifier_bias, temperature,
+                                                            draft_probs, uniforms, exponentials, target_logits.device)
     extension().verify_block_out(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2,
-                                 sigma, floor, temperature, *draws, rule.code, rule.a, rule.b,
+                                 bias, sigma, floor, temperature, *draws, rule.code, rule.a, rule.b,
                                  None if num_drafts is None else num_drafts.contiguous(),
                                  None if draft_logits is None else draft_logits.contiguous(),
                                  None if row_rules is None else row_rules.contiguous(),

@@ -22,17 +22,18 @@ def available() -> bool:
 
 
 def _run(ext_fn, target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature, draft_probs, uniforms,
-         exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows, out, sms, splits, *extra):
+         exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows, classifier_bias, out, sms, splits,
+         *extra):
     (B, K), V = draft_tokens.shape, target_logits.shape[-1]
     K1 = K + 1
     dev = target_logits.device
     out = out if out is not None else empty_result(B, K1 - 1, dev)
     # Slices per position (kernels 1-2: B(K+1) positions) and per row (the sampling draw: B positions).
     plan = (*split_plan(B * K1, V, sms, splits), *split_plan(B, V, sms, splits))
-    hidden, w1, b1, w2, b2, *draws = extension_inputs(hidden, classifier, temperature, draft_probs, uniforms,
-                                                      exponentials, dev)
-    ext_fn(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2, sigma, floor, temperature,
-           *draws, rule.code, rule.a, rule.b, None if num_drafts is None else num_drafts.contiguous(),
+    hidden, w1, b1, w2, b2, bias, *draws = extension_inputs(hidden, classifier, classifier_bias, temperature,
+                                                            draft_probs, uniforms, exponentials, dev)
+    ext_fn(target_logits.contiguous(), draft_tokens.contiguous(), hidden, w1, b1, w2, b2, bias, sigma, floor,
+           temperature, *draws, rule.code, rule.a, rule.b, None if num_drafts is None else num_drafts.contiguous(),
            None if draft_logits is None else draft_logits.contiguous(),
            None if row_rules is None else row_rules.contiguous(),
            None if logit_rows is None else logit_rows.contiguous(),
@@ -57,6 +58,7 @@ def verify_block_cuda(
     draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
     row_rules: torch.Tensor | None = None,  # [B, 6] fp32
     logit_rows: torch.Tensor | None = None,  # [B, K+1] int64 (target_logits, draft_probs: [R, V])
+    classifier_bias: torch.Tensor | None = None,  # [B, K, D] fp32
     out: VerifyResult | None = None,
     splits: int | None = None,
 ) -> VerifyResult:
@@ -64,7 +66,7 @@ def verify_block_cuda(
     slices per position and per sampling draw (default: enough to fill the GPU, ``split_plan``)."""
     return _run(extension().verify_block_out, target_logits, draft_tokens, hidden, classifier, sigma, floor,
                 temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows,
-                out, sm_count(target_logits.device), splits)
+                classifier_bias, out, sm_count(target_logits.device), splits)
 
 
 def emulate_cuda(
@@ -84,6 +86,7 @@ def emulate_cuda(
     draft_logits: torch.Tensor | None = None,
     row_rules: torch.Tensor | None = None,
     logit_rows: torch.Tensor | None = None,
+    classifier_bias: torch.Tensor | None = None,
     out: VerifyResult | None = None,
     splits: int | None = None,
     sms: int = H100_SMS,
@@ -97,4 +100,4 @@ def emulate_cuda(
 
     return _run(cpu.extension().emulate_cuda_verify, target_logits, draft_tokens, hidden, classifier, sigma, floor,
                 temperature, draft_probs, uniforms, exponentials, rule, num_drafts, draft_logits, row_rules, logit_rows,
-                out, sms, splits, threads)
+                classifier_bias, out, sms, splits, threads)

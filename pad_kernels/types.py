@@ -12,8 +12,10 @@ FEATURE_NAMES = ("token_prob", "entropy")
 class FoldedClassifier(NamedTuple):
     """The pivot classifier folded to one hidden layer.
 
-    ``score = w2 . relu(W1^T [h; f] + b1) + b2`` and ``pivot_prob = sigmoid(score)``, where ``h`` is the
-    target hidden state [H] and ``f`` the features [F] (``FEATURE_NAMES``).
+    ``score = w2 . relu(W1^T [h; f] + b1 + c) + b2`` and ``pivot_prob = sigmoid(score)``, where ``h`` is the
+    target hidden state [H], ``f`` the features [F] (``FEATURE_NAMES``) and ``c`` [D] the position's
+    ``classifier_bias`` (``verify_block``; 0 without it): a caller folds inputs the op does not see (where a
+    draft came from) through the first layer into it.
     """
 
     w1: torch.Tensor  # [H + F, D] fp32
@@ -170,13 +172,15 @@ class Workspace:
         return self._views[(b, k)]
 
 
-def extension_inputs(hidden, classifier, temperature, draft_probs, uniforms, exponentials, device) -> list:
+def extension_inputs(hidden, classifier, classifier_bias, temperature, draft_probs, uniforms, exponentials,
+                     device) -> list:
     """The optional inputs of the compiled backends' ``verify_block_out``, in order: hidden, w1, b1, w2, b2,
-    draft_probs, uniforms, exponentials; contiguous, fp32 where the kernels read fp32, None where unused."""
+    classifier_bias, draft_probs, uniforms, exponentials; contiguous, fp32 where the kernels read fp32, None
+    where unused."""
 
     def f32(t):
         return None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
 
-    clf = [f32(t) for t in classifier] if classifier is not None else [None] * 4
+    clf = [*(f32(t) for t in classifier), f32(classifier_bias)] if classifier is not None else [None] * 5
     draws = [f32(t) for t in (draft_probs, uniforms, exponentials)] if temperature > 0 else [None] * 3
     return [hidden.contiguous() if classifier is not None else None, *clf, *draws]

@@ -113,7 +113,7 @@ def check_rule(rule, temperature: float) -> None:
 
 
 def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
-                  draft_probs, uniforms, exponentials, draft_logits=None) -> None:
+                  draft_probs, uniforms, exponentials, draft_logits=None, classifier_bias=None) -> None:
     if target_logits.dim() != 3 or target_logits.shape[1] < 1:
         raise ValueError(f"target_logits must be [B, K+1, V], got shape {tuple(target_logits.shape)}")
     if target_logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -143,6 +143,13 @@ def _check_inputs(target_logits, draft_tokens, hidden, classifier, sigma, floor,
         if w1.shape != (H + len(FEATURE_NAMES), D) or b1.shape != (D,) or w2.shape != (D,) or b2.shape != ():
             raise ValueError("classifier weights must be w1 [H+F, D], b1 [D], w2 [D], b2 []")
         tensors.update(hidden=hidden, w1=w1, b1=b1, w2=w2, b2=b2)
+        if classifier_bias is not None:
+            if tuple(classifier_bias.shape) != (B, K, D) or classifier_bias.dtype != torch.float32:
+                raise ValueError(f"classifier_bias must be fp32 [B, K, D] = [{B}, {K}, {D}], got "
+                                 f"{classifier_bias.dtype} {tuple(classifier_bias.shape)}")
+            tensors["classifier_bias"] = classifier_bias
+    elif classifier_bias is not None:
+        raise ValueError("classifier_bias is added to a classifier's first layer: pass the classifier too")
     if temperature > 0:
         if draft_probs is None or uniforms is None or exponentials is None:
             raise ValueError("temperature > 0 needs draft_probs [B, K, V], uniforms [B, K] and exponentials [B, V]")
@@ -187,6 +194,7 @@ def verify_block(
     out: VerifyResult | Workspace | None = None,
     row_rules: torch.Tensor | None = None,  # [B, 6] fp32 (pack_row_rules): each row's rule, sigma, prefix, kind
     logit_rows: torch.Tensor | None = None,  # [B, K+1] int64: target_logits [R, V] read by row index; -1: none
+    classifier_bias: torch.Tensor | None = None,  # [B, K, D] fp32: each draft position's addition to b1
 ) -> VerifyResult:
     """Verify one block of draft tokens against the target's logits.
 
@@ -206,7 +214,9 @@ def verify_block(
     batch whose requests choose different policies. ``logit_rows``: ``target_logits`` is [R, V] (and
     ``draft_probs``, when sampling, [R, V] the same way) and position (b, i) reads row ``logit_rows[b, i]``, -1
     where it has none (allowed only at or past the row's own drafts: see ``verify_block_ref``), so a serving
-    engine's packed logits are read where they lie, without a copy.
+    engine's packed logits are read where they lie, without a copy. ``classifier_bias``: added to the
+    classifier's first layer at each draft position (``FoldedClassifier``): what the caller knows of a draft
+    (where it came from), folded through that layer.
     """
     checked_logits, checked_probs = target_logits, draft_probs
     if logit_rows is not None:
@@ -222,7 +232,7 @@ def verify_block(
         if exponentials is None:
             exponentials = torch.empty(checked_logits.shape[0], V, device=target_logits.device).exponential_()
     _check_inputs(checked_logits, draft_tokens, hidden, classifier, sigma, floor, temperature,
-                  checked_probs, uniforms, exponentials, draft_logits)
+                  checked_probs, uniforms, exponentials, draft_logits, classifier_bias)
     check_rule(rule, temperature)
     if row_rules is not None:
         _check_row_rules(row_rules, checked_logits.shape[0], temperature)
@@ -243,15 +253,15 @@ def verify_block(
         out = _check_out(out.result(B, K1 - 1) if isinstance(out, Workspace) else out, B, K1 - 1,
                          target_logits.device)
         verify_block_out_op(
-            target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
-            float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
-            float(rule.b), num_drafts, draft_logits, row_rules, logit_rows,
+            target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, classifier_bias,
+            float(sigma), float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code,
+            float(rule.a), float(rule.b), num_drafts, draft_logits, row_rules, logit_rows,
             resolve_backend(backend, target_logits.device), *out,
         )
         return out
     out = verify_block_op(
-        target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, float(sigma),
-        float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
+        target_logits, draft_tokens, hidden if classifier is not None else None, w1, b1, w2, b2, classifier_bias,
+        float(sigma), float(floor), float(temperature), draft_probs, uniforms, exponentials, rule.code, float(rule.a),
         float(rule.b), num_drafts, draft_logits, row_rules, logit_rows, resolve_backend(backend, target_logits.device),
     )
     return VerifyResult(*out)
@@ -319,7 +329,8 @@ Tensor = torch.Tensor
 @torch.library.custom_op("pad_kernels::verify_block", mutates_args=())
 def verify_block_op(
     target_logits: Tensor, draft_tokens: Tensor, hidden: Optional[Tensor], w1: Optional[Tensor],
-    b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
+    b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], classifier_bias: Optional[Tensor],
+    sigma: float, floor: float,
     temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
     exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
     draft_logits: Optional[Tensor], row_rules: Optional[Tensor], logit_rows: Optional[Tensor], backend: str,
@@ -331,14 +342,14 @@ def verify_block_op(
         target_logits, draft_tokens, hidden, classifier, sigma=sigma, floor=floor, temperature=temperature,
         draft_probs=draft_probs, uniforms=uniforms, exponentials=exponentials,
         rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts, draft_logits=draft_logits,
-        row_rules=row_rules, logit_rows=logit_rows,
+        row_rules=row_rules, logit_rows=logit_rows, classifier_bias=classifier_bias,
     ))
 
 
 @verify_block_op.register_fake
-def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigma, floor, temperature,
-                       draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, draft_logits, row_rules,
-                       logit_rows, backend):
+def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, classifier_bias, sigma, floor,
+                       temperature, draft_probs, uniforms, exponentials, rule, rule_a, rule_b, num_drafts, draft_logits,
+                       row_rules, logit_rows, backend):
     B, K = draft_tokens.shape
     return tuple(empty_result(B, K, target_logits.device))
 
@@ -346,7 +357,8 @@ def _verify_block_fake(target_logits, draft_tokens, hidden, w1, b1, w2, b2, sigm
 @torch.library.custom_op("pad_kernels::verify_block_out", mutates_args=VerifyResult._fields)
 def verify_block_out_op(
     target_logits: Tensor, draft_tokens: Tensor, hidden: Optional[Tensor], w1: Optional[Tensor],
-    b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], sigma: float, floor: float,
+    b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor], classifier_bias: Optional[Tensor],
+    sigma: float, floor: float,
     temperature: float, draft_probs: Optional[Tensor], uniforms: Optional[Tensor],
     exponentials: Optional[Tensor], rule: int, rule_a: float, rule_b: float, num_drafts: Optional[Tensor],
     draft_logits: Optional[Tensor], row_rules: Optional[Tensor], logit_rows: Optional[Tensor], backend: str,
@@ -360,7 +372,8 @@ def verify_block_out_op(
     classifier = FoldedClassifier(w1, b1, w2, b2) if w1 is not None else None
     kwargs = dict(sigma=sigma, floor=floor, temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
                   exponentials=exponentials, rule=AcceptRule(RULES[rule], rule_a, rule_b), num_drafts=num_drafts,
-                  draft_logits=draft_logits, row_rules=row_rules, logit_rows=logit_rows)
+                  draft_logits=draft_logits, row_rules=row_rules, logit_rows=logit_rows,
+                  classifier_bias=classifier_bias)
     if backend == "torch":  # the reference allocates its results: copy them over
         for o, r in zip(out, verify_block_ref(target_logits, draft_tokens, hidden, classifier, **kwargs)):
             o.copy_(r)

@@ -95,10 +95,13 @@ def fly_accepts(rule: AcceptRule, exact: torch.Tensor, top3_entropy: torch.Tenso
     return ok
 
 
-def pivot_prob_ref(hidden: torch.Tensor, features: torch.Tensor, classifier: FoldedClassifier) -> torch.Tensor:
-    """Folded classifier: hidden [..., H], features [..., F] -> pivot probability [...] (fp32)."""
+def pivot_prob_ref(hidden: torch.Tensor, features: torch.Tensor, classifier: FoldedClassifier,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Folded classifier: hidden [..., H], features [..., F], bias [..., D] (each position's addition to the
+    first layer's b1, or None) -> pivot probability [...] (fp32)."""
     x = torch.cat([hidden.float(), features.float()], -1)
-    h = torch.relu(x @ classifier.w1 + classifier.b1)
+    first = x @ classifier.w1 + classifier.b1
+    h = torch.relu(first if bias is None else first + bias.float())
     return torch.sigmoid(h @ classifier.w2 + classifier.b2)
 
 
@@ -119,6 +122,7 @@ def verify_block_ref(
     draft_logits: torch.Tensor | None = None,  # [B, K, V] the draft's logits at its K positions (the kl rule)
     row_rules: torch.Tensor | None = None,  # [B, 6] fp32: each row's own rule, sigma, exact_until, sampled
     logit_rows: torch.Tensor | None = None,  # [B, K+1] int64: rows of a 2-D target_logits [R, V]; -1: none
+    classifier_bias: torch.Tensor | None = None,  # [B, K, D] fp32: each draft position's addition to b1
 ) -> VerifyResult:
     """Reference verification of one block; arguments are already validated by ``verify_block``.
 
@@ -133,16 +137,19 @@ def verify_block_ref(
     A row with ``num_drafts[b] < K`` stopped drafting early: its later positions are never accepted, the
     draft distribution there counts as zero (so the token after its last draft is the bonus token), and
     fly's window must end inside its own drafts. ``divergence`` is KL(p || q) of the temperature-scaled
-    target and draft distributions at each draft position (whatever the rule), -1 without ``draft_logits``."""
+    target and draft distributions at each draft position (whatever the rule), -1 without ``draft_logits``.
+    ``classifier_bias``: added to the classifier's first layer at each draft position (``FoldedClassifier``);
+    it is per position (b, i) whatever ``logit_rows`` reads."""
     if logit_rows is not None:
         return _rows_read_by_index(target_logits, draft_tokens, hidden, classifier, logit_rows, sigma=sigma,
                                    floor=floor, temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
                                    exponentials=exponentials, rule=rule, num_drafts=num_drafts,
-                                   draft_logits=draft_logits, row_rules=row_rules)
+                                   draft_logits=draft_logits, row_rules=row_rules, classifier_bias=classifier_bias)
     if row_rules is not None:
         return _each_row_alone(target_logits, draft_tokens, hidden, classifier, row_rules, floor=floor,
                                temperature=temperature, draft_probs=draft_probs, uniforms=uniforms,
-                               exponentials=exponentials, num_drafts=num_drafts, draft_logits=draft_logits)
+                               exponentials=exponentials, num_drafts=num_drafts, draft_logits=draft_logits,
+                               classifier_bias=classifier_bias)
     B, K1, V = target_logits.shape
     K = K1 - 1
     logits = target_logits.float()
@@ -169,7 +176,7 @@ def verify_block_ref(
 
     if classifier is not None:
         features = torch.stack([token_prob, entropy[:, :K]], -1)  # [B, K, F]
-        pivot_prob = pivot_prob_ref(hidden[:, :K], features, classifier)
+        pivot_prob = pivot_prob_ref(hidden[:, :K], features, classifier, classifier_bias)
         override = (pivot_prob <= sigma) & (token_prob >= floor) & (sigma > 0)
     else:
         pivot_prob = torch.ones_like(token_prob)
@@ -234,7 +241,7 @@ def _rows_read_by_index(target_logits, draft_tokens, hidden, classifier, logit_r
 
 
 def _each_row_alone(target_logits, draft_tokens, hidden, classifier, row_rules, *, floor, temperature, draft_probs,
-                    uniforms, exponentials, num_drafts, draft_logits) -> VerifyResult:
+                    uniforms, exponentials, num_drafts, draft_logits, classifier_bias) -> VerifyResult:
     """``row_rules``: each row as a block of its own under its own settings, results stacked."""
     parts = []
     for b in range(target_logits.shape[0]):
@@ -250,7 +257,9 @@ def _each_row_alone(target_logits, draft_tokens, hidden, classifier, row_rules, 
             row = row.float() / temperature
             if one["draft_logits"] is not None:
                 one["draft_logits"] = one["draft_logits"].float() / temperature
-        relaxed = verify_block_ref(row, draft_tokens[b:b + 1], classifier=classifier, sigma=sigma, rule=rule, **one)
+        bias = classifier_bias[b:b + 1] if classifier_bias is not None else None
+        relaxed = verify_block_ref(row, draft_tokens[b:b + 1], classifier=classifier, sigma=sigma, rule=rule,
+                                   classifier_bias=bias, **one)
         if until > 0:
             exact = verify_block_ref(row, draft_tokens[b:b + 1], **{**one, "hidden": None})
             if int(exact.num_accepted[0]) < until:

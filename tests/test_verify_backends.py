@@ -78,7 +78,8 @@ def make_case(B, K, V, H, dtype, sampling, seed, draft_logits=False):
     return (logits, draft_tokens, hidden, clf), kwargs
 
 
-def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, draft_logits=None, **_):
+def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, draft_logits=None,
+               classifier_bias=None, **_):
     """entropy, token_prob, pivot_prob, top3_entropy and divergence computed in fp64 from the same inputs."""
     K = draft_tokens.shape[1]
     scale = temperature if temperature > 0 else 1.0
@@ -99,7 +100,8 @@ def fp64_truth(logits, draft_tokens, hidden=None, clf=None, *, temperature=0.0, 
     if clf is not None:
         feats = torch.cat([hidden[:, :K].double(), token_prob[..., None], entropy[:, :K, None]], -1)
         w1, b1, w2, b2 = (t.double() for t in clf)
-        truth["pivot_prob"] = torch.sigmoid(torch.relu(feats @ w1 + b1) @ w2 + b2)
+        first = feats @ w1 + b1 + (classifier_bias.double() if classifier_bias is not None else 0.0)
+        truth["pivot_prob"] = torch.sigmoid(torch.relu(first) @ w2 + b2)
     return truth
 
 
@@ -222,12 +224,13 @@ def test_registered_op_passes_opcheck(backend, temperature):
     draws = [kwargs.get(k) for k in ("draft_probs", "uniforms", "exponentials")]
     row_rules = pack_row_rules([AcceptRule.topk(2, 0.1), AcceptRule.threshold(0.2)], [0.0, 0.5], [0, 2],
                                [temperature > 0, False])
-    for rule, num_drafts, draft_logits, rows in ((AcceptRule(), None, None, None),
-                                                 (AcceptRule.typical(), torch.tensor([3, 1]), None, None),
-                                                 (AcceptRule.threshold(0.2), None, None, row_rules),
-                                                 (AcceptRule.kl(0.5), None, kwargs["draft_logits"], None),
-                                                 (AcceptRule.topk(2, 0.1), torch.tensor([3, 1]), None, None)):
-        torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, temperature, *draws,
+    bias = torch.randn(2, 3, clf.w1.shape[1], generator=torch.Generator().manual_seed(4))
+    for rule, num_drafts, draft_logits, rows, c in ((AcceptRule(), None, None, None, None),
+                                                    (AcceptRule.typical(), torch.tensor([3, 1]), None, None, bias),
+                                                    (AcceptRule.threshold(0.2), None, None, row_rules, bias),
+                                                    (AcceptRule.kl(0.5), None, kwargs["draft_logits"], None, None),
+                                                    (AcceptRule.topk(2, 0.1), torch.tensor([3, 1]), None, None, None)):
+        torch.library.opcheck(verify_block_op, (logits, drafts, hidden, *clf, c, 0.5, 1e-4, temperature, *draws,
                                                 rule.code, rule.a, rule.b, num_drafts, draft_logits, rows, None,
                                                 backend))
     # Logits read by row index: [R, V], rows in another order (every position has one: opcheck compares
@@ -235,8 +238,8 @@ def test_registered_op_passes_opcheck(backend, temperature):
     flat = logits.reshape(-1, logits.shape[-1])
     logit_rows = torch.tensor([[7, 6, 5, 4], [3, 2, 1, 0]])
     flat_draws = [flat.softmax(-1) if temperature > 0 else None, *draws[1:]]
-    torch.library.opcheck(verify_block_op, (flat, drafts, hidden, *clf, 0.5, 1e-4, temperature, *flat_draws, 0, 0.0,
-                                            0.0, None, None, row_rules, logit_rows, backend))
+    torch.library.opcheck(verify_block_op, (flat, drafts, hidden, *clf, bias, 0.5, 1e-4, temperature, *flat_draws, 0,
+                                            0.0, 0.0, None, None, row_rules, logit_rows, backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED])
@@ -370,6 +373,30 @@ def test_rows_with_their_own_draft_lengths_match_reference(backend, rule, sampli
     assert (expected.num_accepted <= num_drafts).all() and (expected.num_accepted == num_drafts).any()
     got = run_backend(backend, *args, **kwargs, rule=rule, num_drafts=num_drafts)
     assert_matches(got, expected, fp64_truth(*args, **kwargs), torch.float32)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("dtype,sampling,B,K", [(torch.float32, False, 2, 20), (torch.bfloat16, True, 3, 5)],
+                         ids=["fp32-greedy-K20", "bf16-sampling-K5"])
+def test_classifier_bias_matches_reference(backend, dtype, sampling, B, K):
+    """classifier_bias [B, K, D], each draft position's addition to the classifier's first layer, against the
+    fp64 truth: K = 20 spans two of the kernels' tiles of 16 positions, rows have their own draft lengths,
+    and the bias moves decisions (so a backend that dropped or misplaced it would fail)."""
+    V, H = 1271, 64
+    args, kwargs = make_case(B, K, V, H, dtype, sampling, seed=zlib.crc32(repr((dtype, K, "bias")).encode()))
+    D = args[3].w1.shape[1]
+    # Noise, plus a push along w2's signs: down (fewer pivots) in even rows, up in odd ones.
+    push = torch.tensor([-3.0, 3.0]).repeat(B)[:B, None, None] * args[3].w2.sign()
+    kwargs.update(classifier_bias=torch.randn(B, K, D, generator=torch.Generator().manual_seed(K)) + push,
+                  num_drafts=torch.arange(K, K - B, -1), floor=0.0)
+    expected = verify_block_ref(*args, **kwargs)
+    without = verify_block_ref(*args, **{k: v for k, v in kwargs.items() if k != "classifier_bias"})
+    assert (expected.pivot_prob - without.pivot_prob).abs().max() > 0.1
+    assert not torch.equal(expected.pivot_accepted, without.pivot_accepted)
+    assert_matches(run_backend(backend, *args, **kwargs), expected, fp64_truth(*args, **kwargs), dtype)
+    # A bias of zeros is the classifier alone.
+    zero = dict(kwargs, classifier_bias=torch.zeros(B, K, D))
+    assert_matches(run_backend(backend, *args, **zero), without, fp64_truth(*args, **zero), dtype)
 
 
 # Backends that cut the vocabulary into slices per position (flash-decoding's split) and merge them.

@@ -297,3 +297,20 @@ def test_divergence_rule_settings_are_checked():
                        (torch.randn(1, 2, 8, dtype=torch.float64), "draft_logits must be")):
         with pytest.raises(ValueError, match=match):
             verify_block(logits, drafts, rule=AcceptRule.kl(0.5), draft_logits=bad)
+
+
+@pytest.mark.parametrize("backend", available_backends("cpu"))
+def test_bad_classifier_bias_raises(backend):
+    """classifier_bias is checked before any backend runs: fp32 [B, K, D], and only beside a classifier."""
+    g = torch.Generator().manual_seed(5)
+    logits, drafts = torch.randn(2, 4, 8, generator=g), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    hidden = torch.randn(2, 4, 6, generator=g)
+    clf = FoldedClassifier(torch.randn(8, 5, generator=g), torch.randn(5, generator=g), torch.randn(5, generator=g),
+                           torch.tensor(0.1))
+    for bad, match in ((torch.randn(2, 3, 4), r"classifier_bias must be fp32 \[B, K, D\] = \[2, 3, 5\]"),
+                       (torch.randn(2, 4, 5), "classifier_bias must be"),
+                       (torch.randn(2, 3, 5, dtype=torch.float64), "classifier_bias must be")):
+        with pytest.raises(ValueError, match=match):
+            verify_block(logits, drafts, hidden, clf, sigma=0.5, classifier_bias=bad, backend=backend)
+    with pytest.raises(ValueError, match="pass the classifier too"):
+        verify_block(logits, drafts, classifier_bias=torch.randn(2, 3, 5), backend=backend)

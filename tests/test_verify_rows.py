@@ -87,9 +87,11 @@ def test_logit_rows_match_reference(backend, sampling, per_row):
     """Positions without a row: NaN statistics, argmax -1, next token -1 where the prefix ends there (a row
     whose drafts are all accepted: the engine's own bonus token goes there)."""
     flat, kwargs, rows, _, _ = vllm_layout(sampling, seed=70 + sampling)
-    if per_row:
+    if per_row:  # with a classifier bias too: per position (b, i), wherever its logits lie
         _, _, packed, _ = rows_case(sampling, seed=0, B=rows.shape[0])
         kwargs["row_rules"] = packed
+        B, K = flat[1].shape
+        kwargs["classifier_bias"] = torch.randn(B, K, flat[3].w1.shape[1], generator=torch.Generator().manual_seed(71))
     else:
         kwargs["rule"] = AcceptRule.threshold(0.05)
     expected = verify_block_ref(*flat, **kwargs, logit_rows=rows)

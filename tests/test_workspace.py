@@ -56,8 +56,9 @@ def test_out_op_passes_opcheck(backend):
     args, kwargs = make_case(2, 3, 50, 16, torch.float32, True, seed=3, draft_logits=True)
     logits, drafts, hidden, clf = args
     draws = [kwargs[k] for k in ("draft_probs", "uniforms", "exponentials")]
-    for rule in (AcceptRule.threshold(0.2), AcceptRule.kl(0.5)):
-        torch.library.opcheck(verify_block_out_op, (logits, drafts, hidden, *clf, 0.5, 1e-4, 0.8, *draws, rule.code,
+    bias = torch.randn(2, 3, clf.w1.shape[1], generator=torch.Generator().manual_seed(4))
+    for rule, c in ((AcceptRule.threshold(0.2), None), (AcceptRule.kl(0.5), bias)):
+        torch.library.opcheck(verify_block_out_op, (logits, drafts, hidden, *clf, c, 0.5, 1e-4, 0.8, *draws, rule.code,
                                                     rule.a, rule.b, torch.tensor([3, 1]), kwargs["draft_logits"],
                                                     None, None, backend, *empty_result(2, 3, "cpu")))
 

@@ -33,7 +33,8 @@ pad::Race merge_races(const pad::Race& a, const pad::Race& b) { return pad::race
 
 template <typename T, typename H>
 void emulate(const T* logits, const int64_t* drafts, const H* hidden, const float* w1, const float* b1,
-             const float* w2, float b2, const float* draft_probs, const float* uniforms, const float* exponentials,
+             const float* w2, float b2, const float* clf_bias, const float* draft_probs, const float* uniforms,
+             const float* exponentials,
              float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, float* pivot_prob,
              bool* accepted, bool* pivot_accepted, int64_t* num_accepted, int64_t* next_token, int64_t B,
              int64_t K, int64_t V, int64_t Hdim, int64_t D, float sigma, float floor_, float temperature,
@@ -102,7 +103,7 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
           const int64_t j = j0 + t;
           if (j >= D) continue;
           float acc[pad::kTile];
-          pad::clf_unit_begin(acc, b1, j);
+          pad::clf_unit_begin(acc, b1, clf_bias != nullptr ? clf_bias + (b * K + i0) * D : nullptr, np, D, j);
           for (int64_t k0 = 0; k0 < Hdim; k0 += pad::kHChunk) {
             const int nk = Hdim - k0 < pad::kHChunk ? static_cast<int>(Hdim - k0) : pad::kHChunk;
             for (int p = 0; p < pad::kTile; ++p)
@@ -157,7 +158,8 @@ void emulate(const T* logits, const int64_t* drafts, const H* hidden, const floa
 void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_tokens,
                          const c10::optional<at::Tensor>& hidden, const c10::optional<at::Tensor>& w1,
                          const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
-                         const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
+                         const c10::optional<at::Tensor>& b2, const c10::optional<at::Tensor>& clf_bias,
+                         double sigma, double floor_, double temperature,
                          const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
                          const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
@@ -179,6 +181,9 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
   TORCH_CHECK(threads > 0 && (threads & (threads - 1)) == 0, "threads must be a power of 2");
   const bool has_clf = w1.has_value();
   TORCH_CHECK(!has_clf || (hidden.has_value() && hidden->is_contiguous()), "a classifier needs contiguous hidden");
+  TORCH_CHECK(!clf_bias.has_value() || (has_clf && clf_bias->scalar_type() == at::kFloat &&
+                                        clf_bias->is_contiguous() && clf_bias->numel() == B * K * w1->size(1)),
+              "classifier_bias needs a classifier and must be contiguous fp32 [B, K, D]");
   TORCH_CHECK(!draft_logits.has_value() || (draft_logits->scalar_type() == logits.scalar_type() &&
                                             draft_logits->is_contiguous() && draft_logits->numel() == B * K * V),
               "draft_logits must be contiguous [B, K, V] of the logits' dtype");
@@ -187,7 +192,7 @@ void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_token
     using logit_t = scalar_t;
     const auto run = [&](auto* hidden_ptr) {
       emulate(logits.data_ptr<logit_t>(), draft_tokens.data_ptr<int64_t>(), hidden_ptr, ptr(w1), ptr(b1), ptr(w2),
-              has_clf ? b2->item<float>() : 0.0f, ptr(draft_probs), ptr(uniforms), ptr(exponentials),
+              has_clf ? b2->item<float>() : 0.0f, ptr(clf_bias), ptr(draft_probs), ptr(uniforms), ptr(exponentials),
               entropy.data_ptr<float>(), top3_entropy.data_ptr<float>(), argmax.data_ptr<int64_t>(),
               token_prob.data_ptr<float>(), pivot_prob.data_ptr<float>(), accepted.data_ptr<bool>(),
               pivot_accepted.data_ptr<bool>(), num_accepted.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(), B, K,

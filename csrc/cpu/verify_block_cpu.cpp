@@ -23,7 +23,8 @@ void check(bool ok, const char* msg) { TORCH_CHECK(ok, "pad_kernels cpu verify_b
 void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_tokens,
                           const c10::optional<at::Tensor>& hidden, const c10::optional<at::Tensor>& w1,
                           const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
-                          const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
+                          const c10::optional<at::Tensor>& b2, const c10::optional<at::Tensor>& clf_bias,
+                          double sigma, double floor_, double temperature,
                           const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                           const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
                           const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,
@@ -57,6 +58,10 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
     check(b1->numel() == D && w2->numel() == D && b2->numel() == 1 && b1->scalar_type() == at::kFloat &&
               w2->scalar_type() == at::kFloat && b2->scalar_type() == at::kFloat, "b1, w2 must be fp32 [D], b2 []");
   }
+  if (clf_bias.has_value())
+    check(has_clf && clf_bias->scalar_type() == at::kFloat && clf_bias->is_contiguous() &&
+              clf_bias->numel() == B * K * D,
+          "classifier_bias needs a classifier and must be contiguous fp32 [B, K, D]");
   const bool sampling = temperature > 0.0;
   if (sampling) {
     check(draft_probs.has_value() && uniforms.has_value() && exponentials.has_value(),
@@ -76,8 +81,8 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
     using logit_t = scalar_t;
     const auto run = [&](auto* hidden_ptr) {
       PAD_ISA_CALL(verify_kernel, logits.data_ptr<logit_t>(), draft_tokens.data_ptr<int64_t>(), hidden_ptr, ptr(w1), ptr(b1),
-                    ptr(w2), b2v, Hdim, D, (float)sigma, (float)floor_, (float)temperature, ptr(draft_probs),
-                    ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
+                    ptr(w2), b2v, ptr(clf_bias), Hdim, D, (float)sigma, (float)floor_, (float)temperature,
+                    ptr(draft_probs), ptr(uniforms), ptr(exponentials), pad::Rule{(int)rule, (float)rule_a, (float)rule_b},
                     num_drafts.has_value() ? num_drafts->data_ptr<int64_t>() : nullptr,
                     draft_logits.has_value() ? draft_logits->data_ptr<logit_t>() : nullptr,
                     row_rules.has_value() ? row_rules->data_ptr<float>() : nullptr,
@@ -102,7 +107,8 @@ void verify_block_cpu_out(const at::Tensor& logits, const at::Tensor& draft_toke
 void emulate_cuda_verify(const at::Tensor& logits, const at::Tensor& draft_tokens,
                          const c10::optional<at::Tensor>& hidden, const c10::optional<at::Tensor>& w1,
                          const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
-                         const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
+                         const c10::optional<at::Tensor>& b2, const c10::optional<at::Tensor>& clf_bias,
+                         double sigma, double floor_, double temperature,
                          const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                          const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a, double rule_b,
                          const c10::optional<at::Tensor>& num_drafts, const c10::optional<at::Tensor>& draft_logits,

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
     const T* __restrict__ logits, const int64_t* __restrict__ drafts,
     const H* __restrict__ hidden,  // [B, K+1, Hdim]
     const float* w1, const float* b1, const float* w2, const float* b2,  // [Hdim+2, D], [D], [D], []
+    const float* clf_bias,  // [B, K, D] or nullptr
     const float* draft_probs, const float* uniforms, const pad::RowStats* parts, int64_t S,
     float* entropy, float* top3_entropy, int64_t* argmax, float* token_prob, float* divergence,
     bool has_draft_logits, pad::RowStats* stats_out,
@@ -135,7 +136,8 @@ __global__ void __launch_bounds__(kThreads) accept_kernel(
     for (int64_t j0 = 0; j0 < D; j0 += threads) {  // every thread runs the same iterations
       const int64_t j = j0 + t;
       float acc[pad::kTile];
-      if (j < D) pad::clf_unit_begin(acc, b1, j);
+      const float* bias = clf_bias != nullptr ? clf_bias + (b * K + i0) * D : nullptr;  // the tile's rows
+      if (j < D) pad::clf_unit_begin(acc, b1, bias, np, D, j);
       for (int64_t k0 = 0; k0 < Hdim; k0 += pad::kHChunk) {
         const int nk = Hdim - k0 < pad::kHChunk ? static_cast<int>(Hdim - k0) : pad::kHChunk;
         for (int e = t; e < pad::kTile * pad::kHChunk; e += threads) {  // stage hidden[i0 .., k0 ..] as fp32
@@ -233,7 +235,8 @@ cudaError_t launch(const pad_cuda::VerifyArgs& a, cudaStream_t stream) {
       logits, static_cast<const T*>(a.draft_logits), a.drafts, a.logit_rows, a.row_rules, s.parts, a.K, a.V,
       a.split_len, a.temperature, a.rule);
   accept_kernel<T, H><<<a.B, kThreads, 0, stream>>>(
-      logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.draft_probs, a.uniforms, s.parts,
+      logits, a.drafts, static_cast<const H*>(a.hidden), a.w1, a.b1, a.w2, a.b2, a.clf_bias, a.draft_probs, a.uniforms,
+      s.parts,
       a.splits, a.entropy, a.top3_entropy, a.argmax, a.token_prob, a.divergence, a.draft_logits != nullptr, s.stats,
       a.pivot_prob, a.accepted,
       a.pivot_accepted, a.num_accepted, a.next_token, s.races_done, a.K, a.V, a.H, a.D, a.sigma, a.floor_,

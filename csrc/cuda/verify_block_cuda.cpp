@@ -22,7 +22,8 @@ const float* fptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t
 void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tokens,
                            const c10::optional<at::Tensor>& hidden, const c10::optional<at::Tensor>& w1,
                            const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w2,
-                           const c10::optional<at::Tensor>& b2, double sigma, double floor_, double temperature,
+                           const c10::optional<at::Tensor>& b2, const c10::optional<at::Tensor>& clf_bias,
+                           double sigma, double floor_, double temperature,
                            const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms,
                            const c10::optional<at::Tensor>& exponentials, int64_t rule, double rule_a,
                            double rule_b, const c10::optional<at::Tensor>& num_drafts,
@@ -70,7 +71,12 @@ void verify_block_cuda_out(const at::Tensor& logits, const at::Tensor& draft_tok
     a.b1 = fptr(b1);
     a.w2 = fptr(w2);
     a.b2 = fptr(b2);
+    TORCH_CHECK(!clf_bias.has_value() || (clf_bias->is_cuda() && clf_bias->scalar_type() == at::kFloat &&
+                                          clf_bias->is_contiguous() && clf_bias->numel() == B * K * a.D),
+                "pad_kernels cuda verify_block: classifier_bias must be contiguous fp32 [B, K, D] on CUDA");
+    a.clf_bias = fptr(clf_bias);
   } else {
+    TORCH_CHECK(!clf_bias.has_value(), "pad_kernels cuda verify_block: classifier_bias needs a classifier");
     a.hidden_dtype = pad_cuda::DType::kFloat32;
   }
   a.draft_probs = fptr(draft_probs);

@@ -18,6 +18,7 @@ struct VerifyArgs {
   const void* hidden;     // [B, K+1, H]
   DType hidden_dtype;
   const float *w1, *b1, *w2, *b2;  // [H+2, D], [D], [D], [] (b2 stays on the device: no sync)
+  const float* clf_bias;           // [B, K, D] per-position additions to b1, or nullptr
   const float *draft_probs, *uniforms, *exponentials;  // [B, K, V], [B, K], [B, V]
   float *entropy, *token_prob, *pivot_prob;            // [B, K+1], [B, K], [B, K]
   int64_t* argmax;                                     // [B, K+1]

@@ -97,7 +97,8 @@ def jobs():
             if (has_rows or has_rr) and (has_draft or not has_nd or RULES[rule] != wanted):
                 continue
             sig = dict(logits_ptr=dptr, drafts_ptr="*i64", hidden_ptr=dptr, w1_ptr="*fp32", b1_ptr="*fp32",
-                       w2_ptr="*fp32", b2_ptr="*fp32", draft_probs_ptr="*fp32", uniforms_ptr="*fp32",
+                       w2_ptr="*fp32", b2_ptr="*fp32", clf_bias_ptr="*fp32", draft_probs_ptr="*fp32",
+                       uniforms_ptr="*fp32",
                        exponentials_ptr="*fp32", part_ptr="*fp32", part_sum_ptr="*fp64", part_arg_ptr="*i64",
                        row_ms_ptr="*fp32",
                        done_ptr="*i32", entropy_ptr="*fp32",
@@ -107,10 +108,13 @@ def jobs():
                        temperature="fp32",
                        rule_a="fp32", rule_b="fp32", window="i32", num_drafts_ptr="*i64", logit_rows_ptr="*i64",
                        row_rules_ptr="*fp32")
-            yield (f"accept_kernel[{dname}, HAS_CLF={has_clf}, SAMPLING={sampling}, HAS_ND={has_nd}, "
-                   f"RULE={RULES[rule]}, HAS_DRAFT={has_draft}, HAS_ROWS={has_rows}, HAS_RR={has_rr}]",
-                   accept_kernel, sig, dict(HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule, HAS_ND=has_nd,
-                                             HAS_DRAFT=has_draft, HAS_ROWS=has_rows, HAS_RR=has_rr, **cfg))
+            # A classifier bias where rows have their own draft lengths (as in decoding): both paths compiled.
+            has_bias = has_clf and has_nd
+            yield (f"accept_kernel[{dname}, HAS_CLF={has_clf}, HAS_BIAS={has_bias}, SAMPLING={sampling}, "
+                   f"HAS_ND={has_nd}, RULE={RULES[rule]}, HAS_DRAFT={has_draft}, HAS_ROWS={has_rows}, HAS_RR={has_rr}]",
+                   accept_kernel, sig, dict(HAS_CLF=has_clf, HAS_BIAS=has_bias, SAMPLING=sampling, RULE=rule,
+                                             HAS_ND=has_nd, HAS_DRAFT=has_draft, HAS_ROWS=has_rows, HAS_RR=has_rr,
+                                             **cfg))
 
 
 def _compile_job(arch: int, index: int):

@@ -199,6 +199,7 @@ def accept_kernel(
     b1_ptr,  # [D] fp32
     w2_ptr,  # [D] fp32
     b2_ptr,  # [] fp32 (a pointer: reading a device scalar on the host would sync)
+    clf_bias_ptr,  # [B, K, D] fp32 (HAS_BIAS): each draft position's addition to b1
     draft_probs_ptr,  # [B, K, V] fp32 (sampling)
     uniforms_ptr,  # [B, K] fp32 (sampling)
     exponentials_ptr,  # [B, V] fp32 (sampling)
@@ -220,6 +221,7 @@ def accept_kernel(
     logit_rows_ptr,  # [B, K+1] int64 (HAS_ROWS): logits and draft_probs are [R, V], read by row; -1: none
     row_rules_ptr,  # [B, 6] fp32 (HAS_RR): rule code, a, b, sigma, exact_until, sampled of each row
     HAS_CLF: tl.constexpr, SAMPLING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,  # a per-position classifier bias (with HAS_CLF)
     RULE: tl.constexpr,  # AcceptRule code: 0 exact, 1 typical, 2 threshold, 3 fly, 4 kl, 5 topk (no HAS_RR)
     HAS_ND: tl.constexpr,  # rows have their own draft lengths
     HAS_ROWS: tl.constexpr,  # logits read through logit_rows
@@ -324,7 +326,7 @@ def accept_kernel(
     tl.store(divergence_ptr + b * K + ks, div, mask=kmask)
     top_prob = 1.0 / s
 
-    # 1. Pivot probability of every draft position: sigmoid(w2 . relu(W1^T [h; p; entropy] + b1) + b2).
+    # 1. Pivot probability of every draft position: sigmoid(w2 . relu(W1^T [h; p; entropy] + b1 + c) + b2).
     if HAS_CLF:
         ent = tl.where(kmask, ent_all, 0.0)
         ds = tl.arange(0, BLOCK_D)
@@ -340,6 +342,9 @@ def accept_kernel(
         w_e = tl.load(w1_ptr + (H + 1) * D + ds, mask=dmask, other=0.0)
         acc += tp[:, None] * w_p[None, :] + ent[:, None] * w_e[None, :]
         acc += tl.load(b1_ptr + ds, mask=dmask, other=0.0)[None, :]
+        if HAS_BIAS:
+            crow = clf_bias_ptr + (b * K + ks).to(tl.int64) * D
+            acc += tl.load(crow[:, None] + ds[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
         w2 = tl.load(w2_ptr + ds, mask=dmask, other=0.0)
         score = tl.sum(tl.maximum(acc, 0.0) * w2[None, :], axis=1) + tl.load(b2_ptr)
         pivot = 1.0 / (1.0 + tl.exp(-score))
@@ -531,6 +536,7 @@ def verify_block_triton(
     draft_logits: torch.Tensor | None = None,  # [B, K, V], the logits' dtype
     row_rules: torch.Tensor | None = None,  # [B, 6] fp32
     logit_rows: torch.Tensor | None = None,  # [B, K+1] int64 (target_logits, draft_probs: [R, V])
+    classifier_bias: torch.Tensor | None = None,  # [B, K, D] fp32
     out: VerifyResult | None = None,
     splits: int | None = None,
 ) -> VerifyResult:
@@ -569,6 +575,8 @@ def verify_block_triton(
     else:
         w1 = b1 = w2 = b2 = hid = dummy
         H, D = 1, 1
+    has_bias = has_clf and classifier_bias is not None
+    bias = classifier_bias.to(device=dev, dtype=torch.float32).contiguous() if has_bias else dummy
     if sampling:
         dp = draft_probs.to(torch.float32).contiguous()
         un = uniforms.to(torch.float32).contiguous()
@@ -578,13 +586,13 @@ def verify_block_triton(
     row_ms = torch.empty(B * 2 if sampling else 1, dtype=torch.float32, device=dev)
     done = torch.empty(B if sampling else 1, dtype=torch.int32, device=dev)
     accept_kernel[(B,)](
-        logits, drafts, hid, w1, b1, w2, b2, dp, un, ex, part, part_sum, part_arg, row_ms, done,
+        logits, drafts, hid, w1, b1, w2, b2, bias, dp, un, ex, part, part_sum, part_arg, row_ms, done,
         out.entropy, out.top3_entropy, out.argmax, out.token_prob,
         out.pivot_prob, out.accepted, out.pivot_accepted, out.num_accepted, out.next_token, out.divergence,
         K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
         float(rule.b), int(rule.b) if rule.name == "fly" else 0,
         num_drafts.contiguous() if num_drafts is not None else dummy, rows, rr,
-        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, SAMPLING=sampling, RULE=rule.code, HAS_DRAFT=has_draft,
+        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, HAS_BIAS=has_bias, SAMPLING=sampling, RULE=rule.code, HAS_DRAFT=has_draft,
         HAS_ROWS=has_rows, HAS_RR=has_rr, **launch_config(K, V, H, D, S),
     )
     if sampling and B:

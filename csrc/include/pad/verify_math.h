@@ -180,12 +180,13 @@ PAD_HD float row_prob(const RowStats& s, float x) {
   return x == -INFINITY ? 0.0f : exp_nonpositive(x - s.max) / static_cast<float>(s.sum);
 }
 
-// Folded pivot classifier on one position: sigmoid(w2 . relu(W1^T [h; f] + b1) + b2).
-// h [H] (any type via load), f [F], w1 [H+F, D] row-major, b1 [D], w2 [D]; acc [D] is scratch.
+// Folded pivot classifier on one position: sigmoid(w2 . relu(W1^T [h; f] + b1 + bias) + b2).
+// h [H] (any type via load), f [F], w1 [H+F, D] row-major, b1 [D], bias [D] this position's addition to b1
+// (what the caller folded in from inputs the op does not see) or nullptr, w2 [D]; acc [D] is scratch.
 template <typename Load>
 PAD_HD float pivot_prob(Load h_at, int64_t H, const float* f, int F, const float* w1, const float* b1,
-                        const float* w2, float b2, int64_t D, float* acc) {
-  for (int64_t j = 0; j < D; ++j) acc[j] = b1[j];
+                        const float* bias, const float* w2, float b2, int64_t D, float* acc) {
+  for (int64_t j = 0; j < D; ++j) acc[j] = bias != nullptr ? b1[j] + bias[j] : b1[j];
   for (int64_t i = 0; i < H; ++i) {
     const float hi = h_at(i);
     const float* row = w1 + i * D;
@@ -428,15 +429,15 @@ PAD_HD Race thread_slice_races(const Race* parts, int64_t S, int64_t t, int64_t 
 
 // The classifier over a tile of up to kTile positions: thread t owns hidden units j = t, t + T, ... and
 // reads each weight of W1 once per tile (not once per position). For one unit j:
-//   clf_unit_begin   acc[p] = b1[j]
+//   clf_unit_begin   acc[p] = b1[j] + bias[p][j]  (bias [np, D] the tile's rows of the per-position bias, or none)
 //   clf_unit_chunk   acc[p] += h[p][k] * W1[k0 + k, j] for the kHChunk hidden elements staged in h
 //   clf_unit_end     part[p] += w2[j] * relu(acc[p] + p_target * W1[H, j] + entropy * W1[H + 1, j])
 // then part[p] is summed over the threads as a tree; the same sums as pivot_prob in another order.
 constexpr int kTile = 16;
 constexpr int kHChunk = 32;
 
-PAD_HD void clf_unit_begin(float* acc, const float* b1, int64_t j) {
-  for (int p = 0; p < kTile; ++p) acc[p] = b1[j];
+PAD_HD void clf_unit_begin(float* acc, const float* b1, const float* bias, int np, int64_t D, int64_t j) {
+  for (int p = 0; p < kTile; ++p) acc[p] = bias != nullptr && p < np ? b1[j] + bias[p * D + j] : b1[j];
 }
 
 PAD_HD void clf_unit_chunk(float* acc, const float (*h)[kHChunk], int nk, const float* w1_chunk, int64_t D,
