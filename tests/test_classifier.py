@@ -9,14 +9,14 @@ import torch
 
 import pad
 from pad import PivotClassifier
-from pad_kernels import verify_block
+from pad_kernels import FEATURE_NAMES, verify_block
 from pad_kernels.verify_ref import pivot_prob_ref
 
 
-def _trained_looking(H, seed, kind="mlp"):
+def _trained_looking(H, seed, kind="mlp", feature_names=FEATURE_NAMES):
     """A classifier with non-trivial weights (init plus noise of the init's own scale) and standardization."""
     torch.manual_seed(seed)
-    clf = pad.PivotClassifier(H, layer=-3, target_model="t", draft_model="d", kind=kind)
+    clf = pad.PivotClassifier(H, layer=-3, target_model="t", draft_model="d", kind=kind, feature_names=feature_names)
     with torch.no_grad():
         for p in clf.parameters():
             p.add_(torch.randn_like(p) * (p.std() if p.numel() > 1 else 0.1))  # a linear kind's bias is one number
@@ -50,6 +50,52 @@ def test_verify_block_uses_the_folded_classifier(kind):
     res = verify_block(logits, torch.randint(0, V, (2, K), generator=g), hidden, clf.fold(), sigma=0.5)
     features = torch.stack([res.token_prob, res.entropy[:, :K]], -1)
     torch.testing.assert_close(res.pivot_prob, clf.pivot_prob(hidden[:, :K], features), atol=1e-5, rtol=0)
+
+
+SOURCES = ("token_prob", "entropy", "from_lookup", "from_suffix", "match", "offset")
+
+
+def _source_features(n, g):
+    """Per position: (from_lookup, from_suffix, match, offset) as decoding has them: the model's (0, 0, 0, -1),
+    a lookup's or a suffix's (its flag, a match of 1-8, a place 0-7 in its proposal)."""
+    source = torch.randint(0, 3, (n,), generator=g)
+    free = source > 0
+    match = torch.where(free, torch.randint(1, 9, (n,), generator=g), 0)
+    offset = torch.where(free, torch.randint(0, 8, (n,), generator=g), -1)
+    return torch.stack([source == 1, source == 2, match, offset], -1).float()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_source_features_fold_into_a_per_position_bias(kind):
+    """A classifier reading where a draft came from: the op's classifier with ``source_bias`` as its
+    ``classifier_bias`` scores like the module, in the reference and through verify_block."""
+    H, K, V = 16, 5, 40
+    clf = _trained_looking(H, 4, kind, feature_names=SOURCES)
+    assert clf.source_names == SOURCES[2:]
+    g = torch.Generator().manual_seed(2)
+    hidden, features = torch.randn(300, H, generator=g) * 3, torch.rand(300, 2, generator=g) * 3
+    sources = _source_features(300, g)
+    expected = copy.deepcopy(clf).double().pivot_prob(hidden.double(), torch.cat([features, sources], -1).double())
+    folded, bias = clf.fold(), clf.source_bias(sources)
+    assert folded.w1.shape[0] == H + 2 and bias.shape == (300, folded.w1.shape[1])
+    torch.testing.assert_close(pivot_prob_ref(hidden, features, folded, bias), expected.float(), atol=1e-5, rtol=0)
+    assert (pivot_prob_ref(hidden, features, folded) - expected).abs().max() > 1e-2  # the sources matter here
+    logits, hidden = torch.randn(2, K + 1, V, generator=g), torch.randn(2, K + 1, H, generator=g)
+    sources = _source_features(2 * K, g).reshape(2, K, 4)
+    res = verify_block(logits, torch.randint(0, V, (2, K), generator=g), hidden, folded, sigma=0.5,
+                       classifier_bias=clf.source_bias(sources))
+    features = torch.cat([res.token_prob[..., None], res.entropy[:, :K, None], sources], -1)
+    torch.testing.assert_close(res.pivot_prob, clf.pivot_prob(hidden[:, :K], features), atol=1e-5, rtol=0)
+
+
+def test_source_bias_needs_the_sources_it_reads():
+    plain, sourced = _trained_looking(8, 5), _trained_looking(8, 5, feature_names=SOURCES)
+    for clf, sources in ((plain, torch.zeros(3, 4)), (sourced, torch.zeros(3, 3))):
+        with pytest.raises(ValueError, match="source features"):
+            clf.source_bias(sources)
+    divergence = _trained_looking(8, 5, feature_names=("token_prob", "entropy", "divergence"))
+    with pytest.raises(ValueError, match=r"reads \('divergence',\)"):
+        divergence.fold()
 
 
 @pytest.mark.parametrize("kind", ["mlp", "linear"])
@@ -153,7 +199,7 @@ def test_fold_is_computed_once_until_a_weight_changes(monkeypatch):
         clf.mlp[0].weight[0, 0] += 1.0
     second = clf.fold()
     assert len(calls) == 2 and not torch.equal(second.w1, first.w1)
-    torch.testing.assert_close(second.w1, real(clf).w1)
+    torch.testing.assert_close(second.w1, real(clf)[0].w1)
 
 
 def test_classifier_of_other_weights_is_refused(tmp_path):

@@ -15,10 +15,12 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT = "pad-pivot-classifier"
 FORMAT_VERSION = 1
 KINDS = ("mlp", "linear")
-# Features a classifier may read after FEATURE_NAMES to measure what they add (``pad-decoding train
-# --compare-feature``); the op computes FEATURE_NAMES only, so such a classifier does not fold. The source
-# features say where a draft token came from (``pad.pivots.search`` records): from a lookup, from a suffix
-# match (both 0: the draft model), the match's length and the token's place in its proposal (-1: the model's).
+# Features a classifier may read after FEATURE_NAMES (``pad-decoding train --features``, or ``--compare-feature``
+# to measure what they add). The source features say where a draft token came from (``pad.pivots.search``
+# records; ``source_features`` in decoding): from a lookup, from a suffix match (both 0: the draft model), the
+# match's length and the token's place in its proposal (-1: the model's). The op does not compute them: the
+# decode folds them through the first layer into its per-position ``classifier_bias`` (``source_bias``). The
+# divergence is computed by the op but not fed to its classifier: a classifier reading it does not fold.
 SOURCE_FEATURES = ("from_lookup", "from_suffix", "match", "offset")
 CANDIDATE_FEATURES = ("divergence", *SOURCE_FEATURES)
 
@@ -115,45 +117,69 @@ class PivotClassifier(nn.Module):
         """hidden [..., H], features [..., F] -> probability of the pivot class [...]."""
         return torch.softmax(self(hidden, features), -1)[..., 1]
 
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """The source features it reads (``SOURCE_FEATURES``, in its order after ``FEATURE_NAMES``)."""
+        return tuple(n for n in self.feature_names if n in SOURCE_FEATURES)
+
     def fold(self) -> FoldedClassifier:
         """Fold standardization and the three linear maps before the ReLU into one ``Linear(H + F, D)``.
-        Only a classifier of the op's features (``FEATURE_NAMES``) folds: the op feeds no candidate feature.
+        The first layer's columns of source features fold apart (``source_bias``); a classifier reading the
+        divergence does not fold (the op does not feed it to the classifier).
 
         The two output logits fold into one score ``logit_pivot - logit_other``, so ``sigmoid(score)``
         equals ``softmax(logits)[1]``. Computed in fp64, returned as fp32 on the module's device. The result
         is kept until a weight changes (each tensor's version counter), so decoding many prompts folds once.
         """
-        if self.feature_names != FEATURE_NAMES:
-            raise ValueError(f"this classifier reads {self.feature_names[len(FEATURE_NAMES):]}, which verify_block "
-                             f"does not give the classifier: it can be cross-validated, not decoded with")
+        return self._folded()[0]
+
+    def source_bias(self, sources: torch.Tensor) -> torch.Tensor:
+        """sources [..., S] (``source_names``' values per draft position) -> [..., D], the first layer's share
+        of them: ``verify_block``'s ``classifier_bias`` with ``fold()``, so that the op's pivot probability is
+        this classifier's."""
+        weights = self._folded()[1]
+        if weights is None or sources.shape[-1] != weights.shape[0]:
+            raise ValueError(f"this classifier reads the source features {self.source_names}: sources must be "
+                             f"[..., {len(self.source_names)}], got {tuple(sources.shape)}")
+        return sources.to(weights) @ weights
+
+    def _folded(self) -> tuple[FoldedClassifier, torch.Tensor | None]:
+        extra = [n for n in self.feature_names[len(FEATURE_NAMES):] if n not in SOURCE_FEATURES]
+        if extra:
+            raise ValueError(f"this classifier reads {tuple(extra)}, which verify_block does not give the "
+                             f"classifier: it can be cross-validated, not decoded with")
         state = [*self.parameters(), *self.buffers()]
         key = tuple((t.data_ptr(), t._version, t.device) for t in state)
-        cached = self.__dict__.get("_folded")
+        cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
             cached = (key, self._fold())
-            self.__dict__["_folded"] = cached
+            self.__dict__["_folded_cache"] = cached
         return cached[1]
 
     @torch.no_grad()
-    def _fold(self) -> FoldedClassifier:
+    def _fold(self) -> tuple[FoldedClassifier, torch.Tensor | None]:
+        """(the op's classifier, the source features' first-layer weights [S, D] or None), from the
+        first layer over all inputs, W [D, H + F + S] and b [D]."""
         if self.kind == "linear":
-            # score = relu(s) - relu(-s) with s = w . x + b: W1 = [w, -w], b1 = [b, -b], w2 = [1, -1].
+            # score = relu(s) - relu(-s) with s = w . x + b: W = [w, -w], b1 = [b, -b], w2 = [1, -1].
             w = self.linear.weight[0].double() / self.input_scale.double()
             b = self.linear.bias[0].double() - w @ self.input_mean.double()
             one = torch.ones((), dtype=torch.float64, device=w.device)
-            return FoldedClassifier(*(t.float() for t in (torch.stack([w, -w], 1), torch.stack([b, -b]),
-                                                           torch.stack([one, -one]), 0 * one)))
-        first, out = self.mlp[0], self.mlp[2]
-        wm = first.weight.double()  # [D, 64 + 16]
-        wm_h, wm_f = wm[:, : self.hidden_proj.out_features], wm[:, self.hidden_proj.out_features :]
-        w = torch.cat([wm_h @ self.hidden_proj.weight.double(), wm_f @ self.feature_proj.weight.double()], 1)
-        b = wm_h @ self.hidden_proj.bias.double() + wm_f @ self.feature_proj.bias.double() + first.bias.double()
-        # Standardization: W ((x - mean) / scale) = (W / scale) x - (W / scale) mean.
-        w = w / self.input_scale.double()
-        b = b - w @ self.input_mean.double()
-        w2 = out.weight[1].double() - out.weight[0].double()
-        b2 = out.bias[1].double() - out.bias[0].double()
-        return FoldedClassifier(*(t.float() for t in (w.t().contiguous(), b, w2, b2)))
+            w, b, w2, b2 = torch.stack([w, -w]), torch.stack([b, -b]), torch.stack([one, -one]), 0 * one
+        else:
+            first, out = self.mlp[0], self.mlp[2]
+            wm = first.weight.double()  # [D, 64 + 16]
+            wm_h, wm_f = wm[:, : self.hidden_proj.out_features], wm[:, self.hidden_proj.out_features :]
+            w = torch.cat([wm_h @ self.hidden_proj.weight.double(), wm_f @ self.feature_proj.weight.double()], 1)
+            b = wm_h @ self.hidden_proj.bias.double() + wm_f @ self.feature_proj.bias.double() + first.bias.double()
+            # Standardization: W ((x - mean) / scale) = (W / scale) x - (W / scale) mean.
+            w = w / self.input_scale.double()
+            b = b - w @ self.input_mean.double()
+            w2 = out.weight[1].double() - out.weight[0].double()
+            b2 = out.bias[1].double() - out.bias[0].double()
+        op = self.hidden_size + len(FEATURE_NAMES)
+        folded = FoldedClassifier(*(t.float() for t in (w[:, :op].t().contiguous(), b, w2, b2)))
+        return folded, (w[:, op:].t().float().contiguous() if self.source_names else None)
 
     def check_target(self, model) -> None:
         """Raise ValueError if this classifier cannot read ``model``'s hidden states."""
