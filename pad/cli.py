@@ -372,7 +372,8 @@ def _train(args) -> int:
     from .pivots import train
 
     data, meta = train.load_shards(args.dirs, criterion=args.criterion)
-    cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed, model=args.model)
+    cfg = train.TrainConfig(epochs=args.epochs, lr=args.lr, heldout=args.heldout, seed=args.seed, model=args.model,
+                            features=train.decodable_features(args.features))
     folds = min(5, len(data["group"].unique())) if args.folds is None else args.folds
     if args.model == "auto" and not folds:
         raise ValueError("--model auto chooses by cross-validation: it needs --folds of at least 2")
@@ -598,11 +599,14 @@ def _add_train_command(sub) -> None:
     tr.add_argument("--folds", type=int, default=None,
                     help="also report an AUROC cross-validated over this many folds of problems "
                          "(default 5, or one per problem when fewer; 0: off)")
+    tr.add_argument("--features", metavar="NAME[,NAME...]",
+                    help="the classifier also reads where a draft came from (from_lookup, from_suffix, match, "
+                         "offset): decoding folds them into the op's per-position classifier bias")
     tr.add_argument("--compare-feature", metavar="NAME[,NAME...]",
                     help="also cross-validate the chosen kind with these candidate features added (divergence; "
                          "where a draft came from: from_lookup, from_suffix, match, offset), on the positions that "
                          "have them, and report the AUROC difference with its bootstrap interval, per proposal "
-                         "source too (the saved classifier reads the op's features only)")
+                         "source too (the saved classifier reads the op's features and --features only)")
     tr.set_defaults(func=_train)
 
 

@@ -314,15 +314,12 @@ def test_compare_feature_measures_what_a_candidate_adds(tmp_path):
     assert "Candidate feature divergence (linear, the same 3 folds of problems, on the 750 positions" in text
 
 
-def test_source_features_measured_per_source(tmp_path):
-    """Lookup decisions whose label only the match length carries (short matches are the pivots) beside the
-    model's planted ones: the source features add what the match says, and each source gets its own AUROC."""
-    _planted(tmp_path / "model", problems=20)
+def _planted_lookup(out, problems=20, n=25):
+    """A lookup folder whose labels only the match length carries: matches of 1 token are the pivots."""
     g = torch.Generator().manual_seed(9)
-    writer = label.LabelWriter(tmp_path / "lookup", (0, 1), {"task": "synthetic", "target": "t", "draft": "d",
-                                                              "layer": -2, "drafter": "lookup"})
-    for i in range(20):
-        n = 25
+    writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2,
+                                             "drafter": "lookup"})
+    for i in range(problems):
         match = torch.randint(1, 5, (n,), generator=g, dtype=torch.int32)
         writer.write(i, f"a{i}", {
             "hidden": torch.randn(n, 16, generator=g).half(), "token_prob": torch.rand(n, generator=g).half(),
@@ -330,6 +327,33 @@ def test_source_features_measured_per_source(tmp_path):
             "source": torch.full((n,), 1, dtype=torch.int8), "match": match,
             "offset": torch.randint(0, 8, (n,), generator=g, dtype=torch.int32),
             "mismatches": torch.tensor([n], dtype=torch.int32)}, 1.0)
+
+
+def test_train_cli_saves_a_classifier_of_source_features(tmp_path, capsys):
+    """--features: the saved classifier reads where a draft came from and decodes (folds) with it: on the
+    planted lookup decisions, short matches score as pivots through the op's classifier bias."""
+    from pad_kernels.verify_ref import pivot_prob_ref
+
+    _planted(tmp_path / "model", problems=20)
+    _planted_lookup(tmp_path / "lookup")
+    assert main(["train", str(tmp_path / "model"), str(tmp_path / "lookup"), "--out", str(tmp_path / "clf"),
+                 "--folds", "2", "--model", "linear", "--features", "match,from_lookup"]) == 0
+    clf = pad.PivotClassifier.load(tmp_path / "clf")
+    assert clf.feature_names == ("token_prob", "entropy", "from_lookup", "match")  # the classifier's order
+    hidden, features = torch.randn(2, 16), torch.tensor([[0.5, 1.0], [0.5, 1.0]])
+    sources = torch.tensor([[1.0, 1.0], [1.0, 4.0]])  # a lookup's 1-token match, and a 4-token one
+    pivot = pivot_prob_ref(hidden, features, clf.fold(), clf.source_bias(sources))
+    assert pivot[0] > 0.9 and pivot[1] < 0.1
+    for bad, message in (("divergence", "--features takes source features"), ("match,match", "twice")):
+        assert main(["train", str(tmp_path / "model"), "--out", str(tmp_path / "c2"), "--features", bad]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_source_features_measured_per_source(tmp_path):
+    """Lookup decisions whose label only the match length carries (short matches are the pivots) beside the
+    model's planted ones: the source features add what the match says, and each source gets its own AUROC."""
+    _planted(tmp_path / "model", problems=20)
+    _planted_lookup(tmp_path / "lookup")
     data, meta = train.load_shards([tmp_path / "model", tmp_path / "lookup"])
     assert data["from_lookup"].sum() == 500 and not data["from_suffix"].any()
     assert set(data["offset"][data["source"] == 0].tolist()) == {-1}  # the model's records: no place in a proposal

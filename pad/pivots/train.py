@@ -361,6 +361,21 @@ def out_of_fold(data: dict, meta: dict, cfg: TrainConfig, folds: int, progress: 
     return prob
 
 
+def decodable_features(names: str | None) -> tuple[str, ...]:
+    """``--features``' comma-separated names -> the tuple a decodable classifier reads after the op's features:
+    source features only (the op computes the divergence but does not feed it to the classifier)."""
+    from ..models.classifier import SOURCE_FEATURES
+
+    out = tuple(n.strip() for n in names.split(",")) if names else ()
+    for n in out:
+        if n not in SOURCE_FEATURES:
+            raise ValueError(f"--features takes source features ({', '.join(SOURCE_FEATURES)}), got {n!r} "
+                             f"(--compare-feature measures any candidate feature)")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--features names a feature twice: {names}")
+    return tuple(n for n in SOURCE_FEATURES if n in out)  # the classifier's order, whatever the command's
+
+
 def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: int = 5,
                     progress: bool = True) -> dict:
     """What a candidate feature adds (``name``; several comma-separated: added together): out-of-fold AUROC of
