@@ -9,6 +9,7 @@ import torch
 import pad
 from pad.decoding.decoder import left_padded
 from pad.decoding.drafters import LookupDrafter, NgramIndex, Proposal, SuffixDrafter, make_drafter, pack
+from pad.decoding.speculative import source_features
 from pad.decoding.drafters.suffix import SuffixCounts
 from pad.decoding.rows import RowBatch
 from schedules import Schedule
@@ -223,7 +224,7 @@ class _Constant:
         self.device = device
 
     def propose(self, batch, k):
-        return pack([[5] * (k - (j % 2)) for j in range(len(batch))], k, self.device)
+        return pack([([5] * (k - (j % 2)), 0) for j in range(len(batch))], k, self.device, source=0)
 
     def commit(self, batch, proposal, accepted, kept):
         pass
@@ -246,18 +247,20 @@ def test_a_drafter_of_ones_own_and_ragged_proposals():
                        max_new_tokens=10)
     for i, p in enumerate(prompts):
         assert out.sequences[i, ids.shape[1]:].tolist() == greedy_from_scratch(target, p, 10)
-    assert isinstance(pack([[1], []], 2, "cpu"), Proposal)
+    packed = pack([([1], 3), ([], 0)], 2, "cpu", source=2)
+    assert packed.sources == [2, 2] and packed.matches == [3, 0] and packed.free == [True, True]
 
 
 class _MarkedConstant(_Constant):
-    """_Constant whose rows say whether they came without a draft model (``Proposal.free``): ``free``."""
+    """_Constant whose rows say whether they came without a draft model (``Proposal.free``, from its
+    ``sources``): ``free``."""
 
     def __init__(self, free: list[bool]):
         self.free = free
 
     def propose(self, batch, k):
         proposal = super().propose(batch, k)
-        proposal.free = [self.free[r] for r in batch.live]
+        proposal.sources = [1 if self.free[r] else 0 for r in batch.live]
         return proposal
 
 
@@ -282,6 +285,43 @@ def test_pivot_leaves_draft_free_rows_to_the_exact_rule_unless_told_to_judge_the
                           floor=0.0, drafter=_MarkedConstant(free), num_draft_tokens=3, max_new_tokens=10,
                           judge_free=True)
     assert all(s.accepted == s.drafted for s in judged.row_stats) and judged.stats.relaxed_accepted > 0
+
+
+def test_source_features_are_the_labels():
+    """Per draft position, what the labels record (pad.pivots.search): the model's rows (0, 0, 0, -1), a
+    lookup's or suffix's (its flag, the row's match, the place in the proposal)."""
+    proposal = Proposal(torch.zeros((3, 3), dtype=torch.long), sources=[0, 1, 2], matches=[0, 4, 2])
+    got = source_features(proposal, ("from_lookup", "from_suffix", "match", "offset"))
+    want = torch.tensor([[[0, 0, 0, -1]] * 3, [[1, 0, 4, 0], [1, 0, 4, 1], [1, 0, 4, 2]],
+                         [[0, 1, 2, 0], [0, 1, 2, 1], [0, 1, 2, 2]]], dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(source_features(proposal, ("offset", "match")), want[..., [3, 2]], rtol=0, atol=0)
+    model = source_features(Proposal(torch.zeros((2, 2), dtype=torch.long)), ("from_lookup", "offset"))
+    assert model.tolist() == [[[0.0, -1.0]] * 2] * 2
+
+
+def test_a_classifier_of_sources_judges_each_row_by_where_its_drafts_came_from():
+    """A linear classifier that calls every draft a pivot unless it came from a lookup (its from_lookup weight):
+    with judge_free, the lookup rows take every draft and the model's rows decode the target's greedy tokens."""
+    target, _ = tiny_pair("llama")
+    names = ("token_prob", "entropy", "from_lookup", "from_suffix", "match", "offset")
+    clf = pad.PivotClassifier(target.config.hidden_size, layer=-1, kind="linear", feature_names=names).eval()
+    with torch.no_grad():
+        clf.linear.weight.zero_()
+        clf.linear.weight[0, target.config.hidden_size + 2] = -40.0
+        clf.linear.bias.fill_(20.0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    ids, mask = left_padded(prompts)
+    free = [True, False, True]
+    out = pad.generate(target, None, ids, attention_mask=mask, policy="pivot", classifier=clf, sigma=0.5, floor=0.0,
+                       drafter=_MarkedConstant(free), num_draft_tokens=3, max_new_tokens=10, judge_free=True)
+    for i, p in enumerate(prompts):
+        s = out.row_stats[i]
+        if free[i]:
+            assert s.accepted == s.drafted and s.relaxed_accepted > 0
+        else:
+            assert out.sequences[i, ids.shape[1]:].tolist() == greedy_from_scratch(target, p, 10)
+            assert s.relaxed_accepted == 0
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])

@@ -5,6 +5,7 @@ import torch
 
 from types import SimpleNamespace
 
+from pad import PivotClassifier
 from pad.decoding.policy import DEFAULT_SIGMA, parse_policy
 from bad_settings import BAD_SETTINGS, ENGINE as BAD_ENGINE
 from pad.serving.vllm import (RequestSettingError, ServingConfig, expand_batch_to_tokens, request_exact_prefix,
@@ -56,6 +57,13 @@ def test_bad_configuration_is_refused(entry, message):
 def test_shipped_classifier_loads():
     clf = ServingConfig.parse({"pad": {"policy": "pivot", "classifier": "shipped"}}).load_classifier()
     assert clf.hidden_size == 1536 and clf.layer == -8
+
+
+def test_a_classifier_of_draft_sources_is_refused(tmp_path):
+    names = ("token_prob", "entropy", "from_lookup", "match")
+    folder = PivotClassifier(8, feature_names=names).save(tmp_path / "clf")
+    with pytest.raises(ValueError, match=r"reads where drafts came from \(from_lookup, match\)"):
+        ServingConfig.parse({"pad": {"policy": "pivot", "classifier": str(folder)}}).load_classifier()
 
 
 def test_a_relaxed_engine_may_load_a_classifier_for_its_requests():

@@ -18,7 +18,7 @@ from pad_kernels import AcceptRule, FoldedClassifier, Workspace, verify_block
 from ..models.classifier import PivotClassifier
 from .decoder import Decoder, left_pad
 from .draft_length import DraftLength
-from .drafters.base import Drafter, Proposal, Sampling
+from .drafters.base import SOURCES, Drafter, Proposal, Sampling
 from .hf import LayerCapture
 from .rows import RowBatch
 from .sampling import warp_logits
@@ -60,6 +60,20 @@ def exact_until(acceptance: Acceptance, committed: list[int], proposal: Proposal
     if acceptance.classifier is not None and not acceptance.judge_free and proposal.free is not None:
         left = [proposal.k if free else n for free, n in zip(proposal.free, left)]
     return left if any(left) else None
+
+
+def source_features(proposal: Proposal, names: tuple[str, ...]) -> torch.Tensor:
+    """Where each draft position of ``proposal`` came from, as the labels record it (``pad.pivots.search``):
+    the source features ``names`` (``SOURCE_FEATURES``, in a classifier's order) -> [B, k, len(names)] fp32 on
+    the host: from_lookup, from_suffix (0 and 0: the draft model), the row's match length (0 for the model's)
+    and the position's place in its proposal (-1 for the model's)."""
+    b, k = proposal.tokens.shape
+    sources = torch.tensor(proposal.sources if proposal.sources is not None else [0] * b)[:, None].expand(b, k)
+    matches = torch.tensor(proposal.matches if proposal.matches is not None else [0] * b)[:, None].expand(b, k)
+    offset = torch.where(sources != 0, torch.arange(k)[None], -1)
+    columns = {"from_lookup": sources == SOURCES.index("lookup"), "from_suffix": sources == SOURCES.index("suffix"),
+               "match": matches, "offset": offset}
+    return torch.stack([columns[n].float() for n in names], -1)
 
 
 def keep_exact_prefix(relaxed, exact, until, counts=None):
@@ -178,8 +192,12 @@ class _Verifier:
                   "exponentials": exponentials, "backend": acceptance.backend, "draft_logits": draft_logits,
                   "num_drafts": proposal.lengths.to(device) if proposal is not None and proposal.lengths is not None
                   else None}
+        bias = None
+        if judge and acceptance.classifier.source_names:  # what it reads of the drafts' sources, folded
+            names = acceptance.classifier.source_names
+            bias = acceptance.classifier.source_bias(source_features(proposal, names)).to(device)
         res = verify_block(warped, drafts, capture.value if judge else None, self.folded if judge else None,
-                           sigma=acceptance.sigma, floor=acceptance.floor,
+                           sigma=acceptance.sigma, floor=acceptance.floor, classifier_bias=bias,
                            rule=AcceptRule() if exact_only else acceptance.rule, out=self.workspace, **inputs)
         if until is not None and not exact_only:  # the same block, the same draws, by the exact rule
             res = keep_exact_prefix(res, verify_block(warped, drafts, **inputs), torch.tensor(until, device=device))

@@ -51,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from ..decoding.drafters import LookupDrafter, Sampling, SuffixDrafter
+from ..decoding.drafters import SOURCES, LookupDrafter, Sampling, SuffixDrafter
 from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_bytes_per_token, returned_cache,
                            shared_vocab_size)
 from ..errors import PadError
@@ -64,8 +64,8 @@ CRITERIA = ("same-answer", "correct")
 
 # Whose proposals a search labels: the draft model's greedy token at every position, or a draft-free drafter's
 # blocks (``pad.decoding.drafters``, each problem's drafter reading its own context only).
-DRAFTERS = ("model", "lookup", "suffix")
-SOURCE_IDS = {name: i for i, name in enumerate(DRAFTERS)}  # the records' ``source``
+DRAFTERS = SOURCES
+SOURCE_IDS = {name: i for i, name in enumerate(SOURCES)}  # the records' ``source``, as decoding's Proposal.sources
 
 
 @dataclass

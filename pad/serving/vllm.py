@@ -143,7 +143,12 @@ class ServingConfig:
         from ..models.classifier import PivotClassifier
 
         folder = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT) if self.classifier == "shipped" else self.classifier
-        return PivotClassifier.load(folder)
+        clf = PivotClassifier.load(folder)
+        if clf.source_names:  # its op call would score every draft as the model's
+            raise ValueError(f"the classifier in {folder} reads where drafts came from "
+                             f"({', '.join(clf.source_names)}), which this plugin does not give it: serve a "
+                             "classifier of the op's features")
+        return clf
 
 
 MAX_POLICY_CHARS = 100  # longer policy strings are refused before parsing (and never echoed whole)

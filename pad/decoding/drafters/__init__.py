@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 
-from .base import Drafter, FreeDrafter, Proposal, Sampling, pack
+from .base import SOURCES, Drafter, FreeDrafter, Proposal, Sampling, pack
 from .hybrid import HybridDrafter
 from .lookup import LookupDrafter, NgramIndex
 from .model import ModelDrafter
@@ -40,5 +40,5 @@ def make_drafter(drafter, draft=None, *, target=None, draft_stop: float | None =
     return _SUFFIX.setdefault(target, SuffixDrafter())
 
 
-__all__ = ["NAMES", "Drafter", "FreeDrafter", "HybridDrafter", "LookupDrafter", "ModelDrafter", "NgramIndex",
-           "Proposal", "Sampling", "SuffixDrafter", "make_drafter", "pack"]
+__all__ = ["NAMES", "SOURCES", "Drafter", "FreeDrafter", "HybridDrafter", "LookupDrafter", "ModelDrafter",
+           "NgramIndex", "Proposal", "Sampling", "SuffixDrafter", "make_drafter", "pack"]

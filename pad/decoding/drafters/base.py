@@ -4,8 +4,10 @@ A drafter proposes up to K tokens for each live row of a ``RowBatch`` (rows may 
 optionally with the distribution each token was drawn from; it is told what each row committed; it predicts
 what proposing costs, so that ``num_draft_tokens="auto"`` can weigh it. The acceptance rules that read the
 target alone (exact, pivot, typical, threshold, fly, topk) apply to any drafter; ``kl`` reads the draft's
-distribution and needs a drafter with ``has_logits``. A proposal says which rows came without a draft model
-(``Proposal.free``): pivot's classifier leaves those to the exact rule unless told otherwise.
+distribution and needs a drafter with ``has_logits``. A proposal says where each row's drafts came from and
+the match behind them (``Proposal.sources``, ``matches``): pivot's classifier leaves draft-free rows
+(``Proposal.free``) to the exact rule unless told otherwise, and a classifier trained on where drafts came
+from reads both.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class Sampling:
         return self.temperature == 0
 
 
+# Where a row's drafts came from: ``Proposal.sources`` holds indices into this, as the labels' ``source`` does.
+SOURCES = ("model", "lookup", "suffix")
+
+
 @dataclass
 class Proposal:
     """One block's drafts for the B live rows.
@@ -40,9 +46,10 @@ class Proposal:
     deterministic proposal, which the decode treats as one-hot). logits: [B, k, V] the drafter's logits,
     warped by the sampling's top-p (for rules that read them; None if the drafter has none).
     forwards: [B] draft-model forwards each row took part in this block (counted in the stats).
-    free: [B] per row, whether its drafts came without a draft model (a lookup or suffix match): the pivot
-    classifier, trained on a draft model's mismatches, leaves such rows to the exact rule unless told to
-    judge them (``generate``'s ``judge_free``); None: no row's did.
+    sources: [B] per row, where its drafts came from (an index into ``SOURCES``: 0 the draft model, 1 a lookup,
+    2 a suffix match); None: every row's from the model. matches: [B] the match behind a draft-free row's
+    drafts (lookup: the n-gram's length; suffix: the depth of its first context), 0 for the model's; None:
+    all 0.
     """
 
     tokens: torch.Tensor
@@ -50,11 +57,19 @@ class Proposal:
     probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     forwards: list[int] | None = None
-    free: list[bool] | None = None
+    sources: list[int] | None = None
+    matches: list[int] | None = None
 
     @property
     def k(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def free(self) -> list[bool] | None:
+        """[B] per row, whether its drafts came without a draft model: the pivot classifier, trained on a
+        draft model's mismatches, leaves such rows to the exact rule unless told to judge them (``generate``'s
+        ``judge_free``); None: no row's did."""
+        return None if self.sources is None else [s != 0 for s in self.sources]
 
     def length(self, j: int) -> int:
         return self.k if self.lengths is None else int(self.lengths[j])
@@ -122,7 +137,7 @@ class FreeDrafter:
 
     def propose(self, batch, k: int) -> Proposal:
         start = time.perf_counter()
-        proposal = pack([tokens for tokens, _ in self.matches(k)], k, self.device)
+        proposal = pack(self.matches(k), k, self.device, SOURCES.index(self.name))
         self.timed(time.perf_counter() - start, len(batch))
         return proposal
 
@@ -137,12 +152,13 @@ class FreeDrafter:
         pass
 
 
-def pack(proposals: list[list[int]], k: int, device) -> Proposal:
-    """Token lists (each at most k long) -> a deterministic ``Proposal`` [B, k], right-padded with 0, every row
-    draft-free."""
-    tokens = torch.zeros((len(proposals), k), dtype=torch.long)
-    for j, p in enumerate(proposals):
+def pack(matches: list[tuple[list[int], int]], k: int, device, source: int) -> Proposal:
+    """(token list of at most k, match length) per row -> a deterministic ``Proposal`` [B, k], right-padded
+    with 0, every row's drafts from ``source`` (an index into ``SOURCES``)."""
+    tokens = torch.zeros((len(matches), k), dtype=torch.long)
+    for j, (p, _) in enumerate(matches):
         if p:
             tokens[j, : len(p)] = torch.tensor(p, dtype=torch.long)
-    lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long)
-    return Proposal(tokens.to(device), lengths, forwards=[0] * len(proposals), free=[True] * len(proposals))
+    lengths = torch.tensor([len(p) for p, _ in matches], dtype=torch.long)
+    return Proposal(tokens.to(device), lengths, forwards=[0] * len(matches), sources=[source] * len(matches),
+                    matches=[n for _, n in matches])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..draft_length import expected_tokens
-from .base import Proposal
+from .base import SOURCES, Proposal
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 
@@ -132,9 +132,12 @@ class HybridDrafter:
             if not m and t:
                 tokens[j, : len(t)] = torch.tensor(t, dtype=torch.long)
         tokens = tokens.to(self.device)
+        free = SOURCES.index(self.free.name)
+        sources = [0 if m else free for m in used]
+        matches = [0 if m else n for (_, m, n) in plan]
         if not any(used):
             self.free_blocks += 1
-            return Proposal(tokens, lengths, forwards=[0] * b, free=[True] * b)
+            return Proposal(tokens, lengths, forwards=[0] * b, sources=sources, matches=matches)
         self.model_blocks += 1
         drafted = self.drafter.propose(batch, k)
         self.drafter.use_rows(used)
@@ -148,7 +151,7 @@ class HybridDrafter:
             one_hot = torch.nn.functional.one_hot(tokens, drafted.probs.shape[-1]).to(drafted.probs)
             probs = torch.where(mask[:, None, None], drafted.probs, one_hot)
         forwards = [f if m else 0 for f, m in zip(drafted.forwards, used)]
-        return Proposal(tokens, lengths, probs=probs, forwards=forwards, free=[not m for m in used])
+        return Proposal(tokens, lengths, probs=probs, forwards=forwards, sources=sources, matches=matches)
 
     def commit(self, batch, proposal, accepted, kept) -> None:
         self.drafter.commit(batch, proposal, accepted, kept)
