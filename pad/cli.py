@@ -108,7 +108,7 @@ def _add_models(parser) -> None:
 
 
 def _add_task(parser, split: str) -> None:
-    parser.add_argument("--task", required=True, help="gsm8k, humaneval or specbench (no answers: speed and "
+    parser.add_argument("--task", required=True, help="gsm8k, humaneval, mbpp or specbench (no answers: speed and "
                                                       "closeness to the target's replies only)")
     parser.add_argument("--split", default=split)
     parser.add_argument("--data", help="JSONL file of the task (default: the data folder, see pad.evaluation.tasks)")

@@ -1,4 +1,4 @@
-"""Task utilities: GSM8K answer extraction and the sandboxed HumanEval runner."""
+"""Task utilities: GSM8K answer extraction and the sandboxed HumanEval and MBPP runners."""
 import json
 import time
 from decimal import Decimal
@@ -181,3 +181,50 @@ def test_prompted_problems_slice_prompts_and_outcomes():
     assert (args.task, args.split, args.data, args.start, args.limit) == ("gsm8k", "train", None, 5, 9)
     with pytest.raises(SystemExit):
         ap.parse_args(["--task", "mmlu"])
+
+
+MBPP = DATA / "mbpp_sample.jsonl"  # hand-made records in MBPP's format, task ids in every split
+
+
+def _mbpp_solution(task_id):
+    for line in MBPP.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["task_id"] == task_id:
+            return rec["code"]
+    raise KeyError(task_id)
+
+
+def test_mbpp_splits_by_task_id():
+    train = tasks.load("mbpp", "train", path=MBPP)
+    assert [p.id for p in train] == ["mbpp/601", "mbpp/602"]
+    assert [p.id for p in tasks.load("mbpp", "dev", path=MBPP)] == ["mbpp/600"]
+    assert [p.id for p in tasks.load("mbpp", "prompt", path=MBPP)] == ["mbpp/5"]
+    vowels, scaled = train
+    assert vowels.entry_point == "count_vowels"  # the solution's function the tests call, not its helper
+    assert vowels.question.startswith("Write a function to count the vowels")
+    assert "assert count_vowels('aeiou') == 5" in vowels.question
+    assert scaled.reference.startswith("import math\nFACTOR = 3\n")
+    with pytest.raises(ValueError, match="MBPP's splits are"):
+        tasks.load("mbpp", "validation", path=MBPP)
+
+
+def test_mbpp_reference_passes_and_wrong_fails():
+    for problem in tasks.load("mbpp", "train", path=MBPP):
+        name = int(problem.id.split("/")[1])
+        reply = "Sure:\n```python\n" + _mbpp_solution(name).replace("\r\n", "\n") + "\n```\nDone."
+        assert tasks.correct("mbpp", problem, reply), problem.id
+        assert tasks.outcome("mbpp", problem, reply) == (True, True)
+        assert not tasks.correct("mbpp", problem, reply.replace("return", "return None and"))
+    vowels = tasks.load("mbpp", "train", path=MBPP)[0]
+    assert tasks.correct("mbpp", vowels, "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n")  # no fence
+    start = time.monotonic()
+    looping = "```python\ndef count_vowels(s):\n    while True:\n        pass\n```"
+    assert not tasks.mbpp_correct(vowels, looping, timeout=2.0) and time.monotonic() - start < 6.0
+
+
+def test_mbpp_prompt_states_the_task_and_its_tests():
+    problem = tasks.load("mbpp", "train", path=MBPP)[0]
+    (message,) = tasks.messages("mbpp", problem)
+    assert message["role"] == "user" and message["content"].startswith(problem.question)
+    assert "```python" in message["content"]
+    assert tasks.prompt_fingerprint("mbpp") != tasks.prompt_fingerprint("humaneval")

@@ -6,6 +6,11 @@
 - ``humaneval``: Python functions; a completion is right when ``prompt + completion + test +
   check(entry_point)`` runs without error within a time limit in ``pad.evaluation.sandbox`` (no network, its own
   process namespace, resource limits).
+- ``mbpp``: MBPP (arXiv 2108.07732; ``mbpp/mbpp.jsonl`` of the google-research/google-research repository, CC-BY
+  4.0: 974 Python tasks), split by task id as its authors did (``MBPP_SPLITS``: train 601-974, dev 511-600,
+  test 11-510): a code set that is not HumanEval. The prompt states the task and its three tests; a reply is
+  right when its code block, then the tests, runs without error in the sandbox. No package ships it: give
+  its path (``--data``), or put it as ``mbpp/<split>.jsonl`` in a data folder (only the split's ids are read).
 - ``specbench``: Spec-Bench (arXiv 2401.07851; ``data/spec_bench/question.jsonl`` of the hemingkx/Spec-Bench
   repository: 480 questions in 13 categories), the first turn of each question as one user message. It
   carries no answers, so nothing is scored: its figures are speed per category, and for relaxed rules how
@@ -31,11 +36,13 @@ from pathlib import Path
 from ..errors import PadError
 from . import sandbox
 
-TASKS = ("gsm8k", "humaneval", "specbench")
+TASKS = ("gsm8k", "humaneval", "mbpp", "specbench")
 # Bumped whenever a task's scoring changes (gsm8k 2: a \\boxed{} answer beats later numbers): label
 # folders and benchmark run logs record it, so that answers scored by an older utility are never mixed in.
-UTILITY_VERSION = {"gsm8k": 2, "humaneval": 1, "specbench": 0}
-SCORED = ("gsm8k", "humaneval")  # tasks with a utility function
+UTILITY_VERSION = {"gsm8k": 2, "humaneval": 1, "mbpp": 1, "specbench": 0}
+SCORED = ("gsm8k", "humaneval", "mbpp")  # tasks with a utility function
+# MBPP's task ids per split (the first ten are its few-shot prompts).
+MBPP_SPLITS = {"train": range(601, 975), "dev": range(511, 601), "test": range(11, 511), "prompt": range(1, 11)}
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 
@@ -72,8 +79,8 @@ def data_path(task: str, split: str, path: str | os.PathLike | None = None) -> P
         return packaged_data(task, split)
     raise FileNotFoundError(
         f"no {task}/{split}.jsonl found in {', '.join(str(d) for d in data_dirs())}; pass a JSONL path or set PAD_DATA"
-        + ("(Spec-Bench's questions: data/spec_bench/question.jsonl of github.com/hemingkx/Spec-Bench)"
-           if task == "specbench" else "")
+        + {"specbench": " (Spec-Bench's questions: data/spec_bench/question.jsonl of github.com/hemingkx/Spec-Bench)",
+           "mbpp": " (MBPP: mbpp/mbpp.jsonl of github.com/google-research/google-research)"}.get(task, "")
     )
 
 
@@ -136,6 +143,8 @@ def check_task(task: str) -> None:
 
 def load(task: str, split: str = "dev", path=None, limit: int | None = None) -> list[Problem]:
     """Problems of ``task`` in file order (the first ``limit`` of them)."""
+    if task == "mbpp" and split not in MBPP_SPLITS:
+        raise ValueError(f"MBPP's splits are {', '.join(MBPP_SPLITS)}, got {split!r}")
     problems = []
     with open(data_path(task, split, path)) as f:
         for i, line in enumerate(f):
@@ -145,7 +154,10 @@ def load(task: str, split: str = "dev", path=None, limit: int | None = None) -> 
                 continue
             rec = json.loads(line)
             try:
-                if task == "gsm8k":
+                if task == "mbpp":
+                    if rec["task_id"] in MBPP_SPLITS[split]:
+                        problems.append(mbpp_problem(rec))
+                elif task == "gsm8k":
                     problems.append(Problem(f"gsm8k/{split}/{i}", rec["question"], gsm8k_reference(rec["answer"])))
                 elif task == "specbench":
                     problems.append(Problem(f"specbench/{rec['category']}/{rec['question_id']}", rec["turns"][0], "",
@@ -234,6 +246,29 @@ def humaneval_correct(problem: Problem, completion: str, timeout: float = 10.0) 
     return result.returncode == 0 and not result.timed_out
 
 
+# ------------------------------------------------------------------------------------------------ MBPP
+def mbpp_problem(rec: dict) -> Problem:
+    """An MBPP record -> its problem: the task and its tests as the question, the setup code and the tests as
+    the reference, and as the entry point the first function of the reference solution that the tests call."""
+    tests = rec["test_list"]
+    if not tests:
+        raise ValueError(f"MBPP task {rec['task_id']} has no tests")
+    called = [name for name in re.findall(r"^def\s+([A-Za-z_]\w*)", rec["code"], flags=re.M)
+              if re.search(rf"\b{name}\s*\(", "\n".join(tests))]
+    question = rec["text"] + "\nYour code should pass these tests:\n\n" + "\n".join(tests)
+    return Problem(f"mbpp/{rec['task_id']}", question, "\n".join([rec.get("test_setup_code", ""), *tests]),
+                   called[0] if called else "")
+
+
+def mbpp_correct(problem: Problem, reply: str, timeout: float = 10.0) -> bool:
+    """The reply's first code block (else the whole reply), then the setup and tests, run in the sandbox:
+    True if it exits cleanly within ``timeout`` seconds."""
+    blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", reply, flags=re.S)
+    program = "\n".join([blocks[0] if blocks else reply, "", problem.reference, ""])
+    result = sandbox.run(program, timeout=timeout)
+    return result.returncode == 0 and not result.timed_out
+
+
 # ----------------------------------------------------------------------------------------- prompts
 # Without it the default (coder) target often answers a word problem with a Python program and then
 # invents the program's printed output, a wrong number more often than not.
@@ -249,6 +284,9 @@ def messages(task: str, problem: Problem) -> list[dict]:
                  + "\nSolve step by step, then give the final answer as a number after '####'."}]
     if task == "specbench":
         return [{"role": "user", "content": problem.question}]
+    if task == "mbpp":
+        return [{"role": "user", "content": problem.question + "\n\nWrite the Python function. Reply with the code "
+                 "in one ```python code block."}]
     return [{"role": "user", "content": "Complete this Python function. Reply with the whole function in one "
              "```python code block.\n\n```python\n" + problem.question + "```"}]
 
@@ -300,8 +338,8 @@ def humaneval_completion(problem: Problem, reply: str) -> str:
 
 
 def outcome(task: str, problem: Problem, reply: str) -> tuple[object, bool]:
-    """(the reply's outcome, is it right): GSM8K: the final number (None without one); HumanEval: pass/fail
-    is the outcome. Two replies with equal outcomes give the same answer."""
+    """(the reply's outcome, is it right): GSM8K: the final number (None without one); HumanEval, MBPP:
+    pass/fail is the outcome. Two replies with equal outcomes give the same answer."""
     if task not in SCORED:
         raise ValueError(f"task {task} has no answers to score: use {' or '.join(SCORED)}")
     if task == "gsm8k":
@@ -316,4 +354,6 @@ def correct(task: str, problem: Problem, reply: str) -> bool | None:
         return None
     if task == "gsm8k":
         return gsm8k_correct(reply, problem.reference)
+    if task == "mbpp":
+        return mbpp_correct(problem, reply)
     return humaneval_correct(problem, humaneval_completion(problem, reply))
