@@ -54,7 +54,8 @@ def supports(model) -> str | None:
 
 
 def joinable(layers: list[nn.Module]) -> bool:
-    """Whether ``concatenated`` takes ``layers``: all nn.Linear with or all without biases, or ``PackedLinear.joinable``."""
+    """Whether ``concatenated`` takes ``layers``: nn.Linear all with or all without biases, or packed layers
+    that ``PackedLinear.joinable`` takes."""
     if isinstance(layers[0], PackedLinear):
         return type(layers[0]).joinable(layers)
     return all(type(p) is nn.Linear and (p.bias is None) == (layers[0].bias is None) for p in layers)

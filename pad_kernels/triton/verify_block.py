@@ -592,8 +592,8 @@ def verify_block_triton(
         K, V, H, D, S, float(sigma), float(floor), float(temperature) if sampling else 1.0, float(rule.a),
         float(rule.b), int(rule.b) if rule.name == "fly" else 0,
         num_drafts.contiguous() if num_drafts is not None else dummy, rows, rr,
-        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, HAS_BIAS=has_bias, SAMPLING=sampling, RULE=rule.code, HAS_DRAFT=has_draft,
-        HAS_ROWS=has_rows, HAS_RR=has_rr, **launch_config(K, V, H, D, S),
+        HAS_ND=num_drafts is not None, HAS_CLF=has_clf, HAS_BIAS=has_bias, SAMPLING=sampling, RULE=rule.code,
+        HAS_DRAFT=has_draft, HAS_ROWS=has_rows, HAS_RR=has_rr, **launch_config(K, V, H, D, S),
     )
     if sampling and B:
         S_d, len_d = split_plan(B, V, sm_count(dev), splits)  # B positions: one per row
