@@ -1,7 +1,8 @@
 """What search labels say about accepted mismatches, read from the label folders alone (no model).
 
 For the texts the target answers right (the ones an acceptance rule can lose): the pivot rate by
-``p_target(token)``, how many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are
+``p_target(token)`` (per proposal source too, where some decisions are a lookup's or a suffix match's), how many
+texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are
 spread over problems; for the texts it answers wrong, how often a draft token turns them right. Then each
 single feature's AUROC pooled over problems and within problems, beside the score that knows only how
 fragile a problem is (the pivot rate of its other decisions). Last, the tokens per target forward a rule
@@ -20,6 +21,7 @@ import torch
 
 from pad.evaluation.bench import share_with_interval
 from pad.pivots.replay import replay_table
+from pad.pivots.search import SOURCE_IDS
 from pad.pivots.train import WALKS, auroc, load_shards, single_features, within_problem_auroc
 
 P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
@@ -53,6 +55,12 @@ def stats(data: dict, taus=(0.2, 0.4)) -> dict:
            "meet": {tau: int((per(right & (y == 1) & (p >= tau))[right_problems] > 0).sum()) for tau in taus},
            "pivots_per_right": torch.bincount(pivots).tolist(),
            "wrong_decisions": int((~right).sum()), "wrong_to_right": int((data["correct_after"][~right] == 1).sum())}
+    # The same table per proposal source (pad.pivots.search.SOURCE_IDS), where any decision is not the model's.
+    sources = data["source"].long()
+    out["by_source"] = {} if (sources == SOURCE_IDS["model"]).all() else {
+        name: [(lo, hi, int((y[m] == 1).sum()), int(m.sum()))
+               for lo, hi in zip(P_EDGES, P_EDGES[1:]) for m in [right & (sources == i) & (p >= lo) & (p < hi)]]
+        for name, i in SOURCE_IDS.items() if (sources == i).any()}
     top = pivots.sort(descending=True).values
     quarter = max(1, len(top) // 4)
     out["top_quarter_share"] = (int(top[:quarter].sum()), int(top.sum()))
@@ -98,6 +106,15 @@ def markdown(s: dict, criterion: str) -> str:
              f"Right texts: {share_with_interval(s['right_pivots'], s['right_decisions'])} of decisions are pivots.", "",
              "| p_target(token) | pivots / decisions on right texts [95% CI] |", "|---|---|"]
     lines += [f"| [{lo:g}, {hi:g}) | {share_with_interval(x, m)} |" for lo, hi, x, m in s["by_p"]]
+    if s["by_source"]:
+        names = list(s["by_source"])
+        lines += ["", "Per proposal source (pivots / decisions on right texts [95% CI]):", "",
+                  "| p_target(token) | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
+        for row, (lo, hi, _, _) in enumerate(s["by_p"]):
+            lines.append(f"| [{lo:g}, {hi:g}) | " + " | ".join(share_with_interval(*s["by_source"][n][row][2:])
+                                                              for n in names) + " |")
+        totals = {n: [sum(r[k] for r in s["by_source"][n]) for k in (2, 3)] for n in names}
+        lines.append("| all | " + " | ".join(share_with_interval(*totals[n]) for n in names) + " |")
     lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: "
                      f"{share_with_interval(k, n_right)}." for tau, k in s["meet"].items()]
     hist = s["pivots_per_right"]

@@ -13,9 +13,9 @@ label_stats = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(label_stats)
 
 
-def _folder(out):
+def _folder(out, sources=None):
     """Three problems: two right texts (a: pivots at p 0.3 and 0.02; b: none) and a wrong one (c: one of its
-    two decisions turns it right)."""
+    two decisions turns it right). ``sources``: per problem, each decision's proposal source (else the model's)."""
     writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2,
                                              "method": "search"})
     problems = {  # p_target(token), same_answer, correct_before, correct_after per decision; text length
@@ -32,6 +32,10 @@ def _folder(out):
              "correct_after": torch.tensor(after, dtype=torch.int8), "mismatches": torch.tensor([n], dtype=torch.int32),
              "generated": torch.tensor([length], dtype=torch.int32)}
         t["label"] = (1 - t["same_answer"]).to(torch.int8)
+        if sources is not None:
+            t["source"] = torch.tensor(sources[pid], dtype=torch.int8)
+            t["match"] = torch.where(t["source"] > 0, 3, 0).to(torch.int32)
+            t["offset"] = torch.where(t["source"] > 0, torch.arange(n), -1).to(torch.int32)
         writer.write(i, pid, t, 1.0)
 
 
@@ -58,6 +62,20 @@ def test_stats_of_a_hand_made_folder(tmp_path, capsys):
     assert "Right texts: 2/5 = 40.0% [" in out and "| [0.3, 0.4) | 1/1 = 100.0% [" in out
     assert "Wrong texts: 1/2 = 50.0% [" in out and "| problem's pivot rate (other decisions) |" in out
     assert "| perfect classifier | 57.1% | +0.0 [+0.0, +0.0] | 2.62 (" in out  # K = 4: 21 tokens in 8 forwards
+
+
+def test_pivot_rates_per_proposal_source(tmp_path, capsys):
+    """a's first and last decisions (both pivots) came from a lookup, the rest from the model: the per-source
+    table counts each source's right-text decisions per p_target bin; a folder of the model's alone has none."""
+    _folder(tmp_path / "mixed", sources={"a": [1, 0, 1], "b": [0, 0], "c": [0, 1]})
+    data, _ = train.load_shards([tmp_path / "mixed"])
+    by = {name: {lo: (x, m) for lo, _, x, m in rows if m} for name, rows in label_stats.stats(data)["by_source"].items()}
+    assert by == {"model": {0.1: (0, 1), 0.2: (0, 1), 0.4: (0, 1)}, "lookup": {0.0: (1, 1), 0.3: (1, 1)}}
+    assert label_stats.main([str(tmp_path / "mixed")]) == 0
+    out = capsys.readouterr().out
+    assert "| p_target(token) | model | lookup |" in out and "| all | 0/3 = 0.0% [" in out
+    _folder(tmp_path / "model")
+    assert label_stats.stats(train.load_shards([tmp_path / "model"])[0])["by_source"] == {}
 
 
 def test_frontier_of_a_hand_made_folder(tmp_path):
