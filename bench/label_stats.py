@@ -1,9 +1,9 @@
 """What search labels say about accepted mismatches, read from the label folders alone (no model).
 
 For the texts the target answers right (the ones an acceptance rule can lose): the pivot rate by
-``p_target(token)`` (per proposal source too, where some decisions are a lookup's or a suffix match's), how many
-texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are
-spread over problems; for the texts it answers wrong, how often a draft token turns them right. Then each
+``p_target(token)`` (per proposal source too, where some decisions are a lookup's or a suffix match's), how
+many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are spread over problems; for the
+texts it answers wrong, how often a draft token turns them right. Then each
 single feature's AUROC pooled over problems and within problems, beside the score that knows only how
 fragile a problem is (the pivot rate of its other decisions). Last, the tokens per target forward a rule
 would make on the walked texts at each K (``pad.pivots.replay.tokens_per_forward``) beside its replayed
