@@ -6,6 +6,10 @@ every draft) are the row ``POLICY --judge-free``. Each pair gives the difference
 McNemar 95% interval (``pad.evaluation.bench.paired_difference``) and the problems only one row got right.
 
     python bench/paired.py RUNS.jsonl --rows target,exact/hybrid,pivot@0.3/hybrid,"pivot@0.3/hybrid --judge-free"
+
+Rows of several logs (runs of other settings on the same problems) are named after their log's folder:
+
+    python bench/paired.py A/RUNS.jsonl B/RUNS.jsonl --rows "target [A],pivot@0.3/hybrid [B]"
 """
 from __future__ import annotations
 
@@ -56,12 +60,23 @@ def table(rows: dict[str, dict[str, bool]], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def logged_rows(logs: list[Path]) -> dict[str, dict[str, bool]]:
+    """The rows of one log (``outcomes``), or of several, each named ``ROW [FOLDER]`` after its log's folder."""
+    if len({log.parent.name for log in logs}) != len(logs):
+        raise ValueError("give logs of different folders: their rows are named after them")
+    rows = {}
+    for log in logs:
+        got = outcomes(jsonl.read(log))
+        rows.update(got if len(logs) == 1 else {f"{name} [{log.parent.name}]": row for name, row in got.items()})
+    return rows
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("log", type=Path, help="a bench run log (*.runs.jsonl)")
+    p.add_argument("logs", nargs="+", type=Path, help="bench run logs (*.runs.jsonl)")
     p.add_argument("--rows", required=True, help="comma-separated rows, each pair compared in this order")
-    args = p.parse_args()
-    print(table(outcomes(jsonl.read(args.log)), [n.strip() for n in args.rows.split(",") if n.strip()]))
+    args = p.parse_args(argv)
+    print(table(logged_rows(args.logs), [n.strip() for n in args.rows.split(",") if n.strip()]))
 
 
 if __name__ == "__main__":

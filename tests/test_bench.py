@@ -539,9 +539,10 @@ def test_paired_mean_difference_is_the_t_interval_over_problems():
         bench.paired_mean_difference([0.5], [0.5])
 
 
-def test_paired_script_separates_who_judges_draft_free_proposals():
+def test_paired_script_separates_who_judges_draft_free_proposals(tmp_path, capsys):
     """bench/paired.py: pivot records with a lookup-capable drafter are rows by judge_free (absent: judged, as
-    before the choice); each pair's difference is (only a right - only b right) / problems."""
+    before the choice); each pair's difference is (only a right - only b right) / problems; several logs' rows
+    are named after their folders."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("paired", Path(__file__).resolve().parents[1] / "bench" / "paired.py")
@@ -563,3 +564,15 @@ def test_paired_script_separates_who_judges_draft_free_proposals():
         paired.table(rows, ["target", "exact"])
     with pytest.raises(ValueError, match="logged twice"):
         paired.outcomes(records + records[:1])
+    # Rows of two logs (the same problems, other settings) are named after their logs' folders.
+    for folder, name, outcomes in (("xeon", "target", [1, 1, 0]), ("here", "target", [1, 0, 0])):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "runs.jsonl").write_text("".join(
+            json.dumps({"problem": f"p{i}", "policy": name, "settings": {}, "correct": bool(c)}) + "\n"
+            for i, c in enumerate(outcomes)))
+    logs = [tmp_path / "xeon" / "runs.jsonl", tmp_path / "here" / "runs.jsonl"]
+    assert sorted(paired.logged_rows(logs)) == ["target [here]", "target [xeon]"]
+    paired.main([*map(str, logs), "--rows", "target [here],target [xeon]"])
+    assert "| target [here] | target [xeon] | 3 | -33.3 [" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="different folders"):
+        paired.logged_rows([logs[0], logs[0]])
