@@ -3,10 +3,11 @@
 For the texts the target answers right (the ones an acceptance rule can lose): the pivot rate by
 ``p_target(token)`` (per proposal source too, where some decisions are a lookup's or a suffix match's), how
 many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are spread over problems; for the
-texts it answers wrong, how often a draft token turns them right. Then each
-single feature's AUROC pooled over problems and within problems, beside the score that knows only how
-fragile a problem is (the pivot rate of its other decisions). Last, the tokens per target forward a rule
-would make on the walked texts at each K (``pad.pivots.replay.tokens_per_forward``) beside its replayed
+texts it answers wrong, how often a draft token turns them right. Then each single feature's AUROC pooled over
+problems and within problems, beside the score that knows only how fragile a problem is (the pivot rate of its
+other decisions) and any classifier's (``--classifier``), per proposal source too. Last, the tokens per target
+forward a rule would make on the walked texts at each K (``pad.pivots.replay.tokens_per_forward``) beside its
+replayed
 accuracy change: rejecting every mismatch (exact), only the labeled pivots (a perfect classifier: the most
 any classifier of these labels can give) and the ``p_target(token)`` threshold.
 
@@ -37,8 +38,22 @@ def problem_pivot_rate(labels: torch.Tensor, problems: torch.Tensor) -> torch.Te
     return (pivots[inv] - labels.double()) / (count[inv] - 1).clamp_min(1)
 
 
-def stats(data: dict, taus=(0.2, 0.4)) -> dict:
-    """data: ``load_shards`` of search folders -> the figures ``markdown`` prints."""
+def classifier_score(data: dict, folder: str) -> tuple[str, torch.Tensor]:
+    """(a name, the pivot probability [N]) of the classifier in ``folder`` (``shipped``: the one shipped for the
+    default pair) on the labeled decisions, from the features it reads as the folders store them."""
+    from pad import PivotClassifier
+    from pad.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, shipped_classifier
+
+    path = shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT) if folder == "shipped" else folder
+    clf = PivotClassifier.load(path)
+    features = torch.stack([data[n].float() for n in clf.feature_names], -1)
+    with torch.no_grad():
+        return f"classifier {folder}", clf.pivot_prob(data["hidden"].float(), features)
+
+
+def stats(data: dict, taus=(0.2, 0.4), scores: dict | None = None) -> dict:
+    """data: ``load_shards`` of search folders -> the figures ``markdown`` prints; ``scores``: more pivot scores
+    [N] (a classifier's) beside the single features."""
     y, p, prob = data["label"].long(), data["token_prob"].float(), data["problem"]
     right = data["correct_before"] == 1
     ids, inv = prob.unique(return_inverse=True)
@@ -64,7 +79,13 @@ def stats(data: dict, taus=(0.2, 0.4)) -> dict:
     top = pivots.sort(descending=True).values
     quarter = max(1, len(top) // 4)
     out["top_quarter_share"] = (int(top[:quarter].sum()), int(top.sum()))
-    out["auroc"] = {name: (auroc(s, y), within_problem_auroc(s, y, prob)[0]) for name, s in single_features(data).items()}
+    every = {**single_features(data), **(scores or {})}
+    out["auroc"] = {name: (auroc(s, y), within_problem_auroc(s, y, prob)[0]) for name, s in every.items()}
+    # Each score's AUROC over each source's decisions (where that source has pivots and harmless ones).
+    out["auroc_by_source"] = {
+        name: {score: auroc(s[m], y[m]) for score, s in every.items()}
+        for name, i in SOURCE_IDS.items() for m in [sources == i] if y[m].unique().numel() == 2
+    } if out["by_source"] else {}
     # Within a problem this score only leaks each decision's own label (left out of its rate): no within figure.
     out["auroc"]["problem's pivot rate (other decisions)"] = (auroc(problem_pivot_rate(y, prob), y), None)
     return out
@@ -125,6 +146,12 @@ def markdown(s: dict, criterion: str) -> str:
                   "answer right.",
               "", "| score | AUROC pooled | AUROC within problems |", "|---|---|---|"]
     lines += [f"| {name} | {a:.3f} | {'n/a' if w is None else f'{w:.3f}'} |" for name, (a, w) in s["auroc"].items()]
+    if s["auroc_by_source"]:
+        names = list(s["auroc_by_source"])
+        lines += ["", "| score | " + " | ".join(f"AUROC on {n}'s decisions" for n in names) + " |",
+                  "|---" * (1 + len(names)) + "|"]
+        lines += [f"| {score} | " + " | ".join(f"{s['auroc_by_source'][n][score]:.3f}" for n in names) + " |"
+                  for score in s["auroc_by_source"][names[0]]]
     return "\n".join(lines)
 
 
@@ -132,12 +159,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", help="search label folders")
     ap.add_argument("--criterion", default="same-answer", choices=("same-answer", "correct"))
+    ap.add_argument("--classifier", action="append", default=[],
+                    help="also score the decisions with this classifier folder (shipped: the default pair's); "
+                         "repeatable")
     args = ap.parse_args(argv)
     data, meta = load_shards(args.dirs, criterion=args.criterion)
     if "correct_before" not in data:
         ap.error("these folders hold no outcomes: label them with --method search")
     print(f"{meta['problems_read']} problems read from {', '.join(args.dirs)}")
-    print(markdown(stats(data), args.criterion))
+    scores = dict(classifier_score(data, folder) for folder in args.classifier)
+    print(markdown(stats(data, scores=scores), args.criterion))
     if all(k in data for k in WALKS):
         print("\nTokens per target forward on the walked texts (replayed, not decoded):\n")
         print(frontier_markdown(frontier(data, meta["problems_read"])))

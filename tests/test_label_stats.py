@@ -78,6 +78,30 @@ def test_pivot_rates_per_proposal_source(tmp_path, capsys):
     assert label_stats.stats(train.load_shards([tmp_path / "model"])[0])["by_source"] == {}
 
 
+def test_a_classifiers_auroc_per_proposal_source(tmp_path, capsys):
+    """--classifier scores the decisions from the features it reads; each score's AUROC is given per source
+    that has pivots and harmless decisions. A linear classifier of p_target alone ranks like 1 - p_target."""
+    from pad import PivotClassifier
+
+    _folder(tmp_path / "mixed", sources={"a": [1, 0, 1], "b": [1, 1], "c": [1, 1]})
+    clf = PivotClassifier(4, kind="linear")
+    with torch.no_grad():
+        clf.linear.weight.zero_()
+        clf.linear.weight[0, 4] = -3.0  # the p_target(token) column
+    clf.save(tmp_path / "clf")
+    data, _ = train.load_shards([tmp_path / "mixed"])
+    name, score = label_stats.classifier_score(data, str(tmp_path / "clf"))
+    s = label_stats.stats(data, scores={name: score})
+    # Lookup's pivots have p 0.3, 0.02 (a), 0.1 (c), its harmless decisions 0.45, 0.25 (b), 0.35 (c): 1 - p
+    # ranks 8 of the 9 pairs (0.3 below 0.25).
+    assert list(s["auroc_by_source"]) == ["lookup"]  # the model's one decision is harmless: no AUROC there
+    assert s["auroc_by_source"]["lookup"]["1 - p_target(token)"] == pytest.approx(8 / 9)
+    assert s["auroc_by_source"]["lookup"][name] == pytest.approx(8 / 9)
+    assert s["auroc"][name][0] == pytest.approx(s["auroc"]["1 - p_target(token)"][0])
+    assert label_stats.main([str(tmp_path / "mixed"), "--classifier", str(tmp_path / "clf")]) == 0
+    assert f"| {name} | 0.889 |" in capsys.readouterr().out
+
+
 def test_frontier_of_a_hand_made_folder(tmp_path):
     _folder(tmp_path)
     data, meta = train.load_shards([tmp_path])
