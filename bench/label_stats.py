@@ -16,7 +16,9 @@ any classifier of these labels can give) and the ``p_target(token)`` threshold.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -170,8 +172,15 @@ def main(argv=None) -> int:
     scores = dict(classifier_score(data, folder) for folder in args.classifier)
     print(markdown(stats(data, scores=scores), args.criterion))
     if all(k in data for k in WALKS):
-        print("\nTokens per target forward on the walked texts (replayed, not decoded):\n")
-        print(frontier_markdown(frontier(data, meta["problems_read"])))
+        # A problem walked by several drafters is several walks: the replay takes one drafter's folders at a time.
+        by_drafter: dict[str, list[str]] = {}
+        for folder in args.dirs:
+            by_drafter.setdefault(json.loads((Path(folder) / "meta.json").read_text()).get("drafter", "model"),
+                                  []).append(folder)
+        for drafter, folders in by_drafter.items():
+            one, one_meta = (data, meta) if len(by_drafter) == 1 else load_shards(folders, criterion=args.criterion)
+            print(f"\nTokens per target forward on the walked texts ({drafter}'s proposals; replayed, not decoded):\n")
+            print(frontier_markdown(frontier(one, one_meta["problems_read"])))
     return 0
 
 

@@ -13,11 +13,11 @@ label_stats = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(label_stats)
 
 
-def _folder(out, sources=None):
+def _folder(out, sources=None, drafter=None):
     """Three problems: two right texts (a: pivots at p 0.3 and 0.02; b: none) and a wrong one (c: one of its
     two decisions turns it right). ``sources``: per problem, each decision's proposal source (else the model's)."""
     writer = label.LabelWriter(out, (0, 1), {"task": "synthetic", "target": "t", "draft": "d", "layer": -2,
-                                             "method": "search"})
+                                             "method": "search", **({"drafter": drafter} if drafter else {})})
     problems = {  # p_target(token), same_answer, correct_before, correct_after per decision; text length
         "a": ([0.3, 0.15, 0.02], [0, 1, 0], 1, [0, 1, 0], 10),
         "b": ([0.45, 0.25], [1, 1], 1, [1, 1], 6),
@@ -122,3 +122,13 @@ def test_frontier_of_a_hand_made_folder(tmp_path):
     assert rows["threshold@0.2"]["tokens_per_forward"] == {"4": pytest.approx(21 / 8)}
     assert rows["threshold@0.2"]["accepted"] == pytest.approx(4 / 5)
     assert rows["threshold@0.2"]["accuracy_change"] == pytest.approx(-1 / 3)
+
+
+def test_frontier_per_drafter_of_folders_of_several(tmp_path, capsys):
+    """The same problems walked by two drafters are two walks each: the replay takes one drafter at a time."""
+    _folder(tmp_path / "lookup", sources={"a": [1, 1, 1], "b": [1, 1], "c": [1, 1]}, drafter="lookup")
+    _folder(tmp_path / "suffix", sources={"a": [2, 2, 2], "b": [2, 2], "c": [2, 2]}, drafter="suffix")
+    assert label_stats.main([str(tmp_path / "lookup"), str(tmp_path / "suffix")]) == 0
+    out = capsys.readouterr().out
+    assert "(lookup's proposals; replayed" in out and "(suffix's proposals; replayed" in out
+    assert out.count("| perfect classifier | 57.1% | +0.0 [+0.0, +0.0] | 2.62 (") == 2  # as one folder alone
