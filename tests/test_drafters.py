@@ -387,3 +387,19 @@ def test_the_shipped_drafters_and_lengths_follow_their_protocols():
     assert isinstance(_Constant(), Drafter)
     assert isinstance(FixedDraftLength(3), DraftLength) and isinstance(AutoDraftLength(), DraftLength)
     assert make_drafter("suffix", target=target) is make_drafter("suffix", target=target)  # one memory per target
+
+
+def test_draft_free_drafters_say_their_source():
+    """A lookup's and a suffix match's proposals carry their source; a free drafter of one's own (another name)
+    is taken for a lookup, so it stays draft-free (pivot leaves it to the exact rule unless judge_free)."""
+    class Mine(LookupDrafter):
+        name = "mine"
+
+    class Rows(list):  # two live rows and their prompts, what a drafter reads of a RowBatch
+        prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4]]
+
+    for drafter, source in ((LookupDrafter(), 1), (SuffixDrafter(), 2), (Mine(), 1)):
+        drafter.start(Rows([0, 1]), None, torch.device("cpu"))
+        proposal = drafter.propose(Rows([0, 1]), 3)
+        assert proposal.sources == [source, source] and proposal.free == [True, True], drafter.name
+        assert proposal.matches == [n for _, n in drafter.matches(3)]

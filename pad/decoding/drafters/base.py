@@ -110,11 +110,14 @@ class Drafter(Protocol):
 class FreeDrafter:
     """Shared parts of drafters that run no model: their proposals are deterministic (no logits), their
     cost a measured mean of their own time. A subclass keeps one object per live row in ``rows`` (with
-    ``extend(tokens)``) and gives ``matches(k)``: per row (up to k drafts, the length of the match)."""
+    ``extend(tokens)``) and gives ``matches(k)``: per row (up to k drafts, the length of the match).
+    ``source``: the kind of proposal it makes (``SOURCES``, never the model's), as a classifier of sources reads
+    it; a drafter of one's own is taken for a lookup unless it says otherwise."""
 
     rows: list
 
     has_logits = False
+    source = "lookup"
 
     def __init__(self):
         self._seconds_per_row = 0.0
@@ -137,7 +140,7 @@ class FreeDrafter:
 
     def propose(self, batch, k: int) -> Proposal:
         start = time.perf_counter()
-        proposal = pack(self.matches(k), k, self.device, SOURCES.index(self.name))
+        proposal = pack(self.matches(k), k, self.device, SOURCES.index(self.source))
         self.timed(time.perf_counter() - start, len(batch))
         return proposal
 

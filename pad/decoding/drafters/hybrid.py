@@ -132,7 +132,7 @@ class HybridDrafter:
             if not m and t:
                 tokens[j, : len(t)] = torch.tensor(t, dtype=torch.long)
         tokens = tokens.to(self.device)
-        free = SOURCES.index(self.free.name)
+        free = SOURCES.index(self.free.source)
         sources = [0 if m else free for m in used]
         matches = [0 if m else n for (_, m, n) in plan]
         if not any(used):

@@ -42,7 +42,7 @@ class SuffixDrafter(FreeDrafter):
     """See the module docstring. One instance keeps its global counts across calls: reuse it (``pad.generate``
     keeps one per target model for ``drafter="suffix"``)."""
 
-    name = "suffix"
+    name = source = "suffix"
 
     def __init__(self, max_depth: int = 8, min_match: int = 2, min_share: float = 0.1,
                  max_cached_tokens: int = 1 << 18):
