@@ -25,7 +25,7 @@ import torch
 from pad.evaluation.bench import share_with_interval
 from pad.pivots.replay import replay_table
 from pad.pivots.search import SOURCE_IDS
-from pad.pivots.train import WALKS, auroc, load_shards, single_features, within_problem_auroc
+from pad.pivots.train import WALKS, auroc, load_shards, per_source_auroc, single_features, within_problem_auroc
 
 P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
 KS = (4, 8, 16)
@@ -84,10 +84,8 @@ def stats(data: dict, taus=(0.2, 0.4), scores: dict | None = None) -> dict:
     every = {**single_features(data), **(scores or {})}
     out["auroc"] = {name: (auroc(s, y), within_problem_auroc(s, y, prob)[0]) for name, s in every.items()}
     # Each score's AUROC over each source's decisions (where that source has pivots and harmless ones).
-    out["auroc_by_source"] = {
-        name: {score: auroc(s[m], y[m]) for score, s in every.items()}
-        for name, i in SOURCE_IDS.items() for m in [sources == i] if y[m].unique().numel() == 2
-    } if out["by_source"] else {}
+    out["auroc_by_source"] = {name: r["auroc"] for name, r in per_source_auroc(every, data).items()
+                              if 0 < r["pivots"] < r["positions"]}
     # Within a problem this score only leaks each decision's own label (left out of its rate): no within figure.
     out["auroc"]["problem's pivot rate (other decisions)"] = (auroc(problem_pivot_rate(y, prob), y), None)
     return out
