@@ -576,3 +576,27 @@ def test_paired_script_separates_who_judges_draft_free_proposals(tmp_path, capsy
     assert "| target [here] | target [xeon] | 3 | -33.3 [" in capsys.readouterr().out
     with pytest.raises(ValueError, match="different folders"):
         paired.logged_rows([logs[0], logs[0]])
+
+
+def test_suffix_runs_never_see_a_reply_to_the_same_problem(tmp_path):
+    """The suffix drafter's counts of earlier outputs start empty in every batch: a run after other suffix
+    runs of the same problems (another policy, its own warm-up, an earlier bench in this process) decodes
+    as a fresh drafter does, instead of copying their replies."""
+    from pad import generate
+    from pad.decoding.drafters import SuffixDrafter
+
+    target, draft, tok, problems = _bench_setup()
+    log = tmp_path / "runs.jsonl"
+    bench.run("gsm8k", problems, target, draft, tok, bench.parse_policies("exact/suffix:4,exact/suffix:3,target"),
+              num_draft_tokens=4, max_new_tokens=24, progress=False, log=log, batch_size=1)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    got = {(r["problem"], r["policy"]): (r["target_forwards"], r["drafted"], r["accepted"]) for r in records}
+    for p in problems:
+        for k in (4, 3):
+            out = generate(target, None, tasks.prompt_ids(tok, "gsm8k", p), policy="exact", drafter=SuffixDrafter(),
+                           num_draft_tokens=k, max_new_tokens=24,
+                           eos_token_id=None if tok.eos_token_id is None else [tok.eos_token_id])  # as the bench
+            s = out.row_stats[0]
+            assert got[(p.id, f"exact/suffix:{k}")] == (s.target_forwards, s.drafted, s.accepted)
+    assert sum(c[1] for c in got.values()) > 0  # the runs did propose
+    assert [r["settings"].get("suffix_counts") for r in records] == ["per batch", "per batch", None] * 3

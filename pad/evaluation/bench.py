@@ -19,7 +19,7 @@ import torch
 from ..decoding.decoder import left_padded
 from ..decoding.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from ..decoding.drafters import NAMES as DRAFTERS
-from ..decoding.drafters import NEEDS_MODEL
+from ..decoding.drafters import NEEDS_MODEL, SuffixDrafter
 from ..decoding.generate import DECODE_VERSION, DEFAULT_K, generate, option_conflicts
 from ..decoding.rows import cut
 from ..decoding.policy import Policy, parse_policy
@@ -371,6 +371,8 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                        "batch_size": 1 if spec.policy in ONE_AT_A_TIME else batch_size}
                 if spec_drafter not in (None, "model"):  # absent for the draft model, so older logs stay valid
                     key["drafter"] = spec_drafter
+                    if spec_drafter == "suffix":  # logs of a process-wide suffix drafter are never reused
+                        key["suffix_counts"] = "per batch"
                     if spec.policy == "pivot":  # absent in logs of before the choice: never reused
                         key["judge_free"] = judge_free
                 if k == "auto":
@@ -620,11 +622,15 @@ def _run_group(task, group, spec, ids, how: _Decoding, k, drafter: str | None, m
         news, seconds, forwards = _hf_batch(target, batch, mask, max_new_tokens, eos, pad)
         rows = [(new, {"target_forwards": forwards, "drafted": 0, "accepted": 0}) for new in news]
     else:
+        # A suffix drafter of the batch's own: one kept across runs would hold the replies other policies (and
+        # the warm-up) gave to these very problems and copy them; a fresh one also makes a resumed run decode
+        # as an uninterrupted one.
+        proposer = SuffixDrafter() if drafter == "suffix" else drafter
         result = generate(target, draft, batch, attention_mask=mask, policy=spec.parsed,
                           classifier=how.classifier if spec.policy == "pivot" else None, floor=how.floor,
                           num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                           draft_stop=how.draft_stop if drafter in ("model", "hybrid") else None,
-                          max_draft_tokens=how.max_draft_tokens if k == "auto" else None, drafter=drafter,
+                          max_draft_tokens=how.max_draft_tokens if k == "auto" else None, drafter=proposer,
                           judge_free=how.judge_free and spec.policy == "pivot",
                           **({"temperature": sampling["temperature"], "top_p": sampling["top_p"],
                               "seed": group_seed(sampling["seed"], group[0].id)} if sampling else {}))
