@@ -25,7 +25,8 @@ import torch
 from pad.evaluation.bench import share_with_interval
 from pad.pivots.replay import replay_table
 from pad.pivots.search import SOURCE_IDS
-from pad.pivots.train import WALKS, auroc, load_shards, per_source_auroc, single_features, within_problem_auroc
+from pad.pivots.train import (WALKS, auroc, folder_drafter, load_shards, per_source_auroc, single_features,
+                              within_problem_auroc)
 
 P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
 KS = (4, 8, 16)
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
         # A problem walked by several drafters is several walks: the replay takes one drafter's folders at a time.
         by_drafter: dict[str, list[str]] = {}
         for folder in args.dirs:
-            by_drafter.setdefault(json.loads((Path(folder) / "meta.json").read_text()).get("drafter", "model"),
+            by_drafter.setdefault(folder_drafter(json.loads((Path(folder) / "meta.json").read_text())),
                                   []).append(folder)
         for drafter, folders in by_drafter.items():
             one, one_meta = (data, meta) if len(by_drafter) == 1 else load_shards(folders, criterion=args.criterion)

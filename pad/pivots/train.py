@@ -79,7 +79,7 @@ def load_shards(dirs, criterion: str = "same-answer", only=None) -> tuple[dict, 
         if not (d / "meta.json").is_file():
             raise FileNotFoundError(f"{d} is not a pad label folder (meta.json is missing)")
         metas.append(json.loads((d / "meta.json").read_text()))
-        retraced_here, drafter = retraced(d), metas[-1].get("drafter", "model")
+        retraced_here, drafter = retraced(d), folder_drafter(metas[-1])
         for index in sorted(d.glob("index-*.jsonl")):
             for line in index.read_text().splitlines():
                 if not line.strip():
@@ -407,6 +407,12 @@ def compare_feature(data: dict, meta: dict, cfg: TrainConfig, name: str, folds: 
             "difference": auroc(scores["with"], labels) - auroc(scores["without"], labels),
             "difference_ci": boot["difference_ci"]["with"], "bootstrap_resamples": cfg.bootstrap,
             "per_source": per_source_auroc({"without": scores["without"], "with": scores["with"]}, sub)}
+
+
+def folder_drafter(meta: dict) -> str:
+    """The drafter whose proposals a label folder's ``meta.json`` (``meta``) says it judged; the draft model's
+    for folders labeled before the choice existed."""
+    return meta.get("drafter", "model")
 
 
 def per_source_auroc(scores: dict[str, torch.Tensor], data: dict) -> dict:
