@@ -222,8 +222,8 @@ def _bench(args) -> int:
     _set_threads(args)  # before the run log's machine line is taken
     tokenizer = load_tokenizer(args.target, source=args.weights_source)
 
-    def models():  # loaded only when a run is missing from the log
-        target, _, draft = _load_pair(args)
+    def models():  # loaded only when a run is missing from the log; the draft only where a policy runs it
+        target, _, draft = _load_pair(args, need_draft=bench.needs_draft_model(specs, args.drafter))
         if classifier is not None:
             classifier.check_target(target)
         return target, draft

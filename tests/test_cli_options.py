@@ -137,3 +137,35 @@ def test_generate_refuses_before_loading(args, message, folders, monkeypatch, ca
     assert main(base + args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("policies,needs", [
+    ("target,exact/suffix,threshold@0.2/lookup,hf-lookup,hf-target", False),
+    ("target,exact/suffix,exact/hybrid", True),
+    ("target,exact/lookup,draft", True),
+    ("target,hf-assisted", True),
+])
+def test_bench_loads_the_draft_only_where_a_policy_runs_it(policies, needs, folders, tmp_path, monkeypatch):  # noqa: F811
+    """A benchmark of draft-free policies decodes with the target alone (no draft in memory), and its replies are
+    those of the same command with the draft loaded."""
+    import pad.cli
+    import pad.evaluation.bench
+
+    monkeypatch.setattr(pad.evaluation.bench, "speed_probe", lambda *a, **k: 100.0)
+    asked = []
+    real_load_pair = pad.cli._load_pair
+    monkeypatch.setattr(pad.cli, "_load_pair", lambda a, need_draft=True: asked.append(need_draft)
+                        or real_load_pair(a, need_draft))
+
+    def replies(out):
+        args = ["bench", "--task", "gsm8k", "--data", SAMPLE, "--limit", "2", "--batch-size", "2", "--policies",
+                policies, "-k", "3", "--max-new-tokens", "6", "--target", str(folders / "target"), "--draft",
+                str(folders / "draft"), "--dtype", "float32", "--out", str(out)]
+        assert main(args) == 0
+        runs = [json.loads(x) for x in next(out.glob("*.runs.jsonl")).read_text().splitlines()]
+        return {(r["policy"], r["problem"]): r["reply"] for r in runs}
+
+    got = replies(tmp_path / "a")
+    assert asked == [needs]
+    monkeypatch.setattr(pad.evaluation.bench, "needs_draft_model", lambda *a, **k: True)
+    assert replies(tmp_path / "b") == got and asked == [needs, True]

@@ -100,6 +100,15 @@ FLAGS = {"drafter": "--drafter", "draft_stop": "--draft-stop", "num_draft_tokens
          "max_draft_tokens": "--max-draft-tokens", "temperature": "--temperature", "judge_free": "--judge-free"}
 
 
+def needs_draft_model(specs: list[PolicySpec], drafter: str = "model") -> bool:
+    """Whether any of ``specs`` runs the draft model: the draft alone, transformers' assisted generation, or a
+    speculative policy whose drafter (its own, else ``drafter``) is the model or hybrid. The others decode
+    with the target alone, so a benchmark of them loads no draft."""
+    return any(s.policy in ("draft", "hf-assisted")
+               or (s.policy not in ("target", *HF_POLICIES) and (s.drafter or drafter) in NEEDS_MODEL)
+               for s in specs)
+
+
 def check_options(specs: list[PolicySpec], *, num_draft_tokens, max_draft_tokens=None, temperature: float = 0.0,
                   drafter: str = "model", draft_stop: float | None = None, judge_free: bool = False) -> list[str]:
     """Refuse, before any work, the options of a benchmark that cannot run together: ValueError naming both
