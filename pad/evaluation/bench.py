@@ -136,7 +136,7 @@ def check_options(specs: list[PolicySpec], *, num_draft_tokens, max_draft_tokens
                      (f"{spec.name}'s drafter" if o == "drafter" and spec.drafter else FLAGS[o]) for o in (a, b)]
             raise ValueError(f"{named[0]} with {named[1]}: {why}")
     speculative = [s for s in specs if s.policy not in ("target", "draft", *HF_POLICIES)]
-    if draft_stop is not None and not any((s.drafter or drafter) in NEEDS_MODEL for s in speculative):
+    if draft_stop is not None and not needs_draft_model(speculative, drafter):
         raise ValueError(f"--draft-stop with --policies {','.join(s.name for s in specs)}: --draft-stop stops a draft "
                          "model's drafting, and no policy here drafts with one (model or hybrid drafter)")
     if judge_free and not any(s.policy == "pivot" for s in specs):
