@@ -284,7 +284,8 @@ def _label(args) -> int:
     skip = set()  # read before the models load: a bad folder fails at once
     for folder in args.skip_labeled or []:
         skip |= label.finished_problems(folder, args.task, args.split)
-    target, tokenizer, draft = _load_pair(args)
+    # A draft-free drafter's proposals need no draft model: it is not loaded (the folder still names it).
+    target, tokenizer, draft = _load_pair(args, need_draft=args.drafter == "model")
     prompts, utilities = [], []
     for problem in problems:
         prompts.append(tasks.prompt_ids(tokenizer, args.task, problem))
@@ -309,7 +310,7 @@ def _label(args) -> int:
         # A decision is taken on the text at hand whichever kernel computed it (bf16 rounding can differ
         # from SDPA's, fp32 oneDNN's from MKL's): the labeler takes the faster fused CPU attention where it
         # applies, and in fp32 on the CPU oneDNN's linear layers.
-        for model in (target, draft):
+        for model in (m for m in (target, draft) if m is not None):
             use_gqa_sdpa(model, fused_cpu=True)
             use_onednn_linear(model)
 

@@ -262,14 +262,20 @@ def test_label_by_search_writes_a_folder_train_reads_with_either_criterion(folde
     assert (right["label"] <= same["label"]).all()  # a right answer turned wrong always changed the answer
 
 
-def test_label_by_search_on_lookup_proposals_records_their_source(folders, tmp_path, capsys):
+def test_label_by_search_on_lookup_proposals_records_their_source(folders, tmp_path, capsys, monkeypatch):
+    import pad.cli
     from pad.pivots import search, train
 
+    asked = []  # lookup proposals need no draft model: the label command does not load it
+    real_load_pair = pad.cli._load_pair
+    monkeypatch.setattr(pad.cli, "_load_pair", lambda a, need_draft=True: asked.append(need_draft)
+                        or real_load_pair(a, need_draft))
     out = tmp_path / "lookup"
     argv = ["label", "--method", "search", "--drafter", "lookup", "--proposal-tokens", "6", "--task", "gsm8k",
             "--data", SAMPLE, "--limit", "3", "--max-new-tokens", "40", "--target", str(folders / "target"),
             "--draft", str(folders / "draft"), "--dtype", "float32", "--layer", "-1", "--batch", "3", "--out", str(out)]
     assert main(argv) == 0
+    assert asked == [False]
     meta = json.loads((out / "meta.json").read_text())
     assert meta["drafter"] == "lookup" and meta["proposal_tokens"] == 6
     data, _ = train.load_shards([out])

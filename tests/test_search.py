@@ -184,7 +184,8 @@ def test_search_on_draft_free_proposals_takes_the_decisions_of_the_block_rule(se
     target, draft, problems, prompts = setup
     # (24 tokens: the tiny model's texts repeat enough there for suffix's matches to miss both ways)
     cfg = search.SearchConfig(layer=-1, max_new_tokens=24, batch=4, drafter=drafter, proposal_tokens=4)
-    summary = search.run(problems, prompts, [_outcome] * 6, target, draft, tmp_path, cfg, progress=False)
+    # No draft model: a draft-free drafter's proposals need none (the CLI does not load it).
+    summary = search.run(problems, prompts, [_outcome] * 6, target, None, tmp_path, cfg, progress=False)
     index, tensors = read_labels(tmp_path)
     assert sorted(r["problem"] for r in index) == sorted(p.id for p in problems)
     kinds = switched = inside = 0
@@ -218,6 +219,13 @@ def test_search_config_refuses_an_unknown_drafter():
         search.SearchConfig(drafter="lookup", proposal_tokens=0)
     # A folder labeled on the model's drafts records no drafter (folders from before draft-free drafters resume).
     assert "drafter" not in search.SearchConfig().settings()
+
+
+def test_search_of_the_draft_models_tokens_refuses_to_run_without_it(setup, tmp_path):
+    target, _, problems, prompts = setup
+    with pytest.raises(ValueError, match="need the draft model"):
+        search.run(problems, prompts, [_outcome] * 6, target, None, tmp_path, CFG, progress=False)
+    assert not (tmp_path / "meta.json").exists()
 
 
 # (the draft-free drafters' texts hold fewer decisions: killed late, the last problem is still in its greedy text)

@@ -53,7 +53,7 @@ import torch
 
 from ..decoding.drafters import SOURCES, LookupDrafter, Sampling, SuffixDrafter
 from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_bytes_per_token, returned_cache,
-                           shared_vocab_size)
+                           shared_vocab_size, vocab_size)
 from ..errors import PadError
 from ..machine import available_memory, release_free_memory
 from .continuations import Continuations, Job
@@ -154,9 +154,11 @@ class LowMemory(PadError):
 
 
 def problem_bytes(target, draft, prompt_tokens: int, max_new_tokens: int) -> int:
-    """Most memory one problem in flight holds: the target's and the draft's caches of its text and its row
-    of the running batch (a target cache as long), at ``prompt_tokens + max_new_tokens`` tokens."""
-    return (prompt_tokens + max_new_tokens) * (2 * kv_bytes_per_token(target) + kv_bytes_per_token(draft))
+    """Most memory one problem in flight holds: the target's and the draft's caches of its text (no draft: a
+    draft-free drafter's labels) and its row of the running batch (a target cache as long), at
+    ``prompt_tokens + max_new_tokens`` tokens."""
+    draft_bytes = kv_bytes_per_token(draft) if draft is not None else 0
+    return (prompt_tokens + max_new_tokens) * (2 * kv_bytes_per_token(target) + draft_bytes)
 
 
 def _memory_left() -> int | None:
@@ -394,11 +396,14 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     ``skip``: ids finished in another folder).
 
     prompts: [1, P] token ids per problem; outcomes: tokens -> (answer key, correct) per problem (GSM8K:
-    the final number; HumanEval: pass/fail as the key). Returns a summary.
+    the final number; HumanEval: pass/fail as the key). ``draft`` may be None where ``cfg.drafter`` is
+    draft-free (its proposals need no draft model). Returns a summary.
     """
     from tqdm.auto import tqdm
 
     decoder_layer(target, cfg.layer)  # a bad layer fails before the folder records these settings
+    if draft is None and cfg.drafter == "model":
+        raise ValueError("search labels of the draft model's tokens need the draft model (draft is None)")
     # Speed settings change no record: a folder may resume with others.
     writer = LabelWriter(out_dir, shard, {**(meta or {}),
                                           **cfg.settings()})
@@ -409,7 +414,8 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
         if problems[i].id in finished:
             partial.remove(i)
     rows = _rows_that_fit(cfg, target, draft, max((prompts[i].shape[1] for i in todo), default=0))
-    vocab, eos = shared_vocab_size(target, draft), eos_ids(target, None)
+    vocab = shared_vocab_size(target, draft) if draft is not None else vocab_size(target)
+    eos = eos_ids(target, None)
     engine = Continuations(target, vocab, eos, cfg.layer, rows, cfg.lookahead)
     active: dict[int, _Problem] = {}
     waiting = iter(todo)
