@@ -170,6 +170,12 @@ def _memory_left() -> int | None:
     return free
 
 
+def _roomy() -> bool:
+    """Whether another problem may join the batch (memory unknown counts as room)."""
+    free = _memory_left()
+    return free is None or free >= ADMIT_MEMORY
+
+
 # Job keys (problem, t): t is the decision's position, or one of these for a job that decodes the problem's
 # own greedy text (whole, or the rest of one saved unfinished).
 _TEXT_JOBS = (None, "greedy")
@@ -388,9 +394,46 @@ def _rows_that_fit(cfg: SearchConfig, target, draft, longest_prompt: int) -> int
     return cfg.batch
 
 
+def _drop_finished(partial: _Partial, problems: list, indices, finished: set[str]) -> None:
+    """Remove the checkpoints of problems finished here or in another folder: they are never resumed."""
+    for i in indices:
+        if problems[i].id in finished:
+            partial.remove(i)
+
+
+def _take(p: _Problem, done) -> bool:
+    """Apply a finished job to its problem: its greedy text, or a decision (recorded; a harmless token's
+    continuation becomes the text). Returns whether it was a decision."""
+    t = done.job.key[1]
+    if t in _TEXT_JOBS:
+        p.text = p.text + done.job.generated
+        p.cache = done.cache
+        p.key, p.correct = p.outcome(p.text)
+        _draft_forget(p, 0)
+        p.free, p.proposal = None, []
+        return False
+    new = p.text[:t] + [done.job.draft_token] + done.job.generated
+    key, correct = p.outcome(new)
+    f = done.features
+    # (no divergence against a draft-free proposal: it has no distribution)
+    p.records.append({"hidden": f["hidden"], "token_prob": f["token_prob"], "entropy": f["entropy"],
+                      "divergence": f.get("divergence", math.nan), **p.pending, "position": t,
+                      "same_answer": int(key == p.key),
+                      "correct_before": int(p.correct), "correct_after": int(correct)})
+    if key == p.key:  # harmless: the continuation becomes the text
+        p.text, p.cache, p.correct = new, done.cache, correct
+        _draft_forget(p, t)
+    else:  # a pivot: the target's token ends the block; keep what the job fed of the text
+        p.proposal = []
+        if _cached(p) < len(p.prompt) + t:
+            p.cache = _first_columns(done.cache, len(p.prompt) + t, copy=True)
+    p.pos = t + 1
+    return True
+
+
 @torch.inference_mode()
 def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[list[int]], tuple]], target, draft,
-        out_dir, cfg: SearchConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None,
+        out_dir, cfg: SearchConfig, *, shard: tuple[int, int] = (0, 1), meta: dict | None = None,
         progress: bool = True, start: int = 0, skip: set[str] = frozenset()) -> dict:
     """Label the problems of this shard from index ``start`` on that the folder does not hold yet (nor
     ``skip``: ids finished in another folder).
@@ -405,14 +448,10 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     if draft is None and cfg.drafter == "model":
         raise ValueError("search labels of the draft model's tokens need the draft model (draft is None)")
     # Speed settings change no record: a folder may resume with others.
-    writer = LabelWriter(out_dir, shard, {**(meta or {}),
-                                          **cfg.settings()})
+    writer = LabelWriter(out_dir, shard, {**(meta or {}), **cfg.settings()})
     partial = _Partial(out_dir)
     todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
-    finished = writer.done | skip  # a checkpoint of a problem finished here or elsewhere is never resumed
-    for i in shard_indices(len(problems), start, shard):
-        if problems[i].id in finished:
-            partial.remove(i)
+    _drop_finished(partial, problems, shard_indices(len(problems), start, shard), writer.done | skip)
     rows = _rows_that_fit(cfg, target, draft, max((prompts[i].shape[1] for i in todo), default=0))
     vocab = shared_vocab_size(target, draft) if draft is not None else vocab_size(target)
     eos = eos_ids(target, None)
@@ -421,13 +460,9 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     waiting = iter(todo)
     bar = tqdm(total=len(todo), desc="label (search)", unit="problem", disable=not progress)
 
-    def roomy() -> bool:
-        free = _memory_left()
-        return free is None or free >= ADMIT_MEMORY
-
     def admit() -> None:
         # One problem always runs; more join while memory is left (they grow as their texts are decoded).
-        while len(active) < rows and (not active or roomy()) and (i := next(waiting, None)) is not None:
+        while len(active) < rows and (not active or _roomy()) and (i := next(waiting, None)) is not None:
             p = active[i] = _Problem(i, prompts[i][0].tolist(), outcomes[i], time.perf_counter())
             spent = partial.load(p)
             if spent is None:
@@ -471,32 +506,8 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
         admit()
         while engine.busy:
             for done in engine.step():
-                i, t = done.job.key
-                p = active[i]
-                if t in _TEXT_JOBS:
-                    p.text = p.text + done.job.generated
-                    p.cache = done.cache
-                    p.key, p.correct = p.outcome(p.text)
-                    _draft_forget(p, 0)
-                    p.free, p.proposal = None, []
-                else:
-                    new = p.text[:t] + [done.job.draft_token] + done.job.generated
-                    key, correct = p.outcome(new)
-                    f = done.features
-                    # (no divergence against a draft-free proposal: it has no distribution)
-                    p.records.append({"hidden": f["hidden"], "token_prob": f["token_prob"], "entropy": f["entropy"],
-                                      "divergence": f.get("divergence", math.nan), **p.pending, "position": t,
-                                      "same_answer": int(key == p.key),
-                                      "correct_before": int(p.correct), "correct_after": int(correct)})
-                    if key == p.key:  # harmless: the continuation becomes the text
-                        p.text, p.cache, p.correct = new, done.cache, correct
-                        _draft_forget(p, t)
-                    else:  # a pivot: the target's token ends the block; keep what the job fed of the text
-                        p.proposal = []
-                        if _cached(p) < len(p.prompt) + t:
-                            p.cache = _first_columns(done.cache, len(p.prompt) + t, copy=True)
-                    p.pos = t + 1
-                decisions += t not in _TEXT_JOBS
+                p = active[done.job.key[0]]
+                decisions += _take(p, done)
                 advance(p)
             # After every step, not only when a job finishes: the first continuations take minutes.
             bar.set_postfix(decisions=decisions, records=summary["records"], pivots=summary["pivots"],
