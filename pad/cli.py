@@ -259,8 +259,9 @@ def _bench(args) -> int:
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in args.argv)
     how = f"temperature {args.temperature:g}, top-p {args.top_p:g}, seed {args.seed}" if sampled else "greedy"
     head = bench.header(args.task, len(problems), args.num_draft_tokens, args.max_new_tokens, args.target,
-                        args.draft, args.dtype, command, classifier.checksum() if classifier is not None else None,
-                        args.batch_size, args.draft_stop, how)
+                        args.draft, args.dtype, command,
+                        classifier=classifier.checksum() if classifier is not None else None,
+                        batch_size=args.batch_size, draft_stop=args.draft_stop, sampling=how)
     print(bench.markdown(rows, head))
     written = bench.write(rows, Path(args.out), stem, head, plot=args.plot) if args.out else []
     for path in written:

@@ -16,7 +16,7 @@ def model():
 
 
 def _run(model, jobs, lookahead, batch=4, min_join=None):
-    engine = Continuations(model, 96, eos_ids(model, None), -1, batch, lookahead, min_join)
+    engine = Continuations(model, 96, eos_ids(model, None), -1, batch, lookahead, min_join=min_join)
     for job in jobs:
         engine.submit(job)
     out = {}

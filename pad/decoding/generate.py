@@ -253,32 +253,15 @@ def generate(
     ids, prompts = _prompts(input_ids, attention_mask)
     speculating = policy not in ("target", "draft")
     drafter = _drafter(parsed, drafter, draft, target, draft_stop)
-    if draft is None and policy == "draft":
-        raise ValueError(f"policy {policy!r} needs a draft model")
-    if target is None and policy != "draft":
-        raise ValueError(f"policy {policy!r} needs a target model")
-    main = target if target is not None else draft
-    vocab = shared_vocab_size(target, draft) if target is not None and draft is not None else vocab_size(main)
-    if any(t < 0 or t >= vocab for row in prompts for t in row):
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    main, vocab = _check_models(policy, target, draft, prompts)
     clf = _load_classifier(classifier, target) if policy == "pivot" else None
-    for m in (target, draft):
-        if m is not None and m.training:
-            warnings.warn(f"{type(m).__name__} is in training mode (dropout active); call .eval() first", stacklevel=2)
     eos = eos_ids(main, eos_token_id)
     pad = _pad_id(main, pad_token_id, eos)
     uses = {"target": (target,), "draft": (draft,)}.get(policy) or (
         (target, draft) if getattr(drafter, "model", None) is not None else (target,))
     _warn_if_memory_short(uses, prompts, max_new_tokens)
 
-    gen = None
-    if temperature > 0:
-        gen = torch.Generator(device=next(main.parameters()).device)
-        if seed is not None:
-            gen.manual_seed(seed)
-        else:
-            gen.seed()
-    sampling = Sampling(temperature, top_p, gen)
+    sampling = _sampling(temperature, top_p, seed, next(main.parameters()).device)
     batch = RowBatch(prompts, max_new_tokens, eos, vocab=vocab, callback=callback, single=ids.shape[0] == 1)
     with torch.inference_mode():
         if max_new_tokens == 0:  # nothing to decode: the prompt as given, no forward
@@ -292,13 +275,47 @@ def generate(
             acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend, exact_prefix,
                                     judge_free)
             speculative.decode(Decoder(target, vocab, len(prompts)), drafter, batch, length, acceptance, sampling)
-    stats = batch.total()
     lengths = torch.tensor([len(n) for n in batch.new], dtype=torch.long)
-    tail = torch.full((len(prompts), int(lengths.max()) if len(lengths) else 0), pad, dtype=torch.long)
-    for i, n in enumerate(batch.new):
+    return GenerationResult(sequences=_sequences(ids, batch.new, lengths, pad), stats=batch.total(),
+                            lengths=lengths, row_stats=batch.stats)
+
+
+def _check_models(policy: str, target, draft, prompts: list[list[int]]) -> tuple:
+    """(the model that decodes alone or verifies, the vocabulary both score); raises where the policy lacks its
+    model or a prompt token lies outside that vocabulary, warns (at ``generate``'s caller) of a model in
+    training mode."""
+    if draft is None and policy == "draft":
+        raise ValueError(f"policy {policy!r} needs a draft model")
+    if target is None and policy != "draft":
+        raise ValueError(f"policy {policy!r} needs a target model")
+    main = target if target is not None else draft
+    vocab = shared_vocab_size(target, draft) if target is not None and draft is not None else vocab_size(main)
+    if any(t < 0 or t >= vocab for row in prompts for t in row):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    for m in (target, draft):
+        if m is not None and m.training:
+            warnings.warn(f"{type(m).__name__} is in training mode (dropout active); call .eval() first", stacklevel=3)
+    return main, vocab
+
+
+def _sampling(temperature: float, top_p: float, seed: int | None, device) -> Sampling:
+    """Greedy at temperature 0; else sampled with a generator on ``device``, seeded when ``seed`` is set."""
+    gen = None
+    if temperature > 0:
+        gen = torch.Generator(device=device)
+        if seed is not None:
+            gen.manual_seed(seed)
+        else:
+            gen.seed()
+    return Sampling(temperature, top_p, gen)
+
+
+def _sequences(ids: torch.Tensor, new: list[list[int]], lengths: torch.Tensor, pad: int) -> torch.Tensor:
+    """[B, P + N]: the prompts ``ids`` [B, P] and each row's new tokens, rows shorter than the longest padded."""
+    tail = torch.full((len(new), int(lengths.max()) if len(lengths) else 0), pad, dtype=torch.long)
+    for i, n in enumerate(new):
         tail[i, : len(n)] = torch.tensor(n, dtype=torch.long)
-    sequences = torch.cat([ids.cpu(), tail], 1).to(ids.device)
-    return GenerationResult(sequences=sequences, stats=stats, lengths=lengths, row_stats=batch.stats)
+    return torch.cat([ids.cpu(), tail], 1).to(ids.device)
 
 
 def _warn_if_memory_short(models, prompts: list[list[int]], max_new_tokens: int) -> None:

@@ -613,7 +613,7 @@ class _Decoding:
     judge_free: bool = False
 
 
-def _run_group(task, group, spec, ids, how: _Decoding, k, drafter: str | None, max_new_tokens: int,
+def _run_group(task, group, spec, ids, how: _Decoding, k, drafter: str | None, max_new_tokens: int, *,
                score: bool = True) -> list[dict]:
     """One policy on a group of problems decoded as one batch -> one record per problem (the counts a
     PolicyTotals adds up; ``seconds`` and, with auto K, the predicted and measured block times are the
@@ -861,7 +861,7 @@ def _plot(rows, path: Path, title: str) -> Path:
 
 
 def header(task: str, n: int, k: int, max_new_tokens: int, target_name: str, draft_name: str, dtype: str,
-           command: str, classifier: str | None = None, batch_size: int = 1, draft_stop: float | None = None,
+           command: str, *, classifier: str | None = None, batch_size: int = 1, draft_stop: float | None = None,
            sampling: str = "greedy") -> str:
     clf = f"; classifier {classifier}" if classifier else ""
     batch = (f"; batches of {batch_size} problems (hf-assisted one at a time: transformers refuses batches)"

@@ -113,7 +113,7 @@ class Finished:
 
 
 class Continuations:
-    def __init__(self, model, vocab: int, eos: set[int], layer: int, batch: int, lookahead: int = 4,
+    def __init__(self, model, vocab: int, eos: set[int], layer: int, batch: int, lookahead: int = 4, *,
                  min_join: int | None = None, join_fixed: float = JOIN_FIXED):
         """``min_join``: queued jobs join only when at least this many rows are free (or none runs), so that
         joins, each a forward of its own plus a copy of the running cache, come in groups; default batch // 8.

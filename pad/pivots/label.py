@@ -259,7 +259,7 @@ def problems_to_do(problems: list, start: int, shard: tuple[int, int], done: set
 
 
 def run(problems: list, prompts: list[torch.Tensor], utilities: list[Callable], target, draft, out_dir,
-        cfg: LabelConfig, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True,
+        cfg: LabelConfig, *, shard: tuple[int, int] = (0, 1), meta: dict | None = None, progress: bool = True,
         rollout_batch: int = 16, start: int = 0, decode_batch: int = 8, skip: set[str] = frozenset()) -> dict:
     """Label the problems of this shard from index ``start`` on that the index does not hold yet (nor
     ``skip``: ids finished elsewhere); returns a summary. The greedy decodes of ``decode_batch`` problems at
