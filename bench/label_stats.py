@@ -3,13 +3,14 @@
 For the texts the target answers right (the ones an acceptance rule can lose): the pivot rate by
 ``p_target(token)`` (per proposal source too, where some decisions are a lookup's or a suffix match's), how
 many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are spread over problems; for the
-texts it answers wrong, how often a draft token turns them right. Then each single feature's AUROC pooled over
-problems and within problems, beside the score that knows only how fragile a problem is (the pivot rate of its
-other decisions) and any classifier's (``--classifier``), per proposal source too. Last, the tokens per target
-forward a rule would make on the walked texts at each K (``pad.pivots.replay.tokens_per_forward``) beside its
-replayed
-accuracy change: rejecting every mismatch (exact), only the labeled pivots (a perfect classifier: the most
-any classifier of these labels can give) and the ``p_target(token)`` threshold.
+texts it answers wrong, how often a draft token turns them right; after a draft-free proposal's harmless wrong
+token, how often the rest of that proposal holds another wrong token (``after_harmless``). Then each single
+feature's AUROC pooled over problems and within problems, beside the score that knows only how fragile a
+problem is (the pivot rate of its other decisions) and any classifier's (``--classifier``), per proposal
+source too. Last, the tokens per target forward a rule would make on the walked texts at each K
+(``pad.pivots.replay.tokens_per_forward``) beside its replayed accuracy change: rejecting every mismatch
+(exact), only the labeled pivots (a perfect classifier: the most any classifier of these labels can give)
+and the ``p_target(token)`` threshold.
 
     python bench/label_stats.py labels/gsm8k-train-search labels/gsm8k-train-search-fp32
 """
@@ -87,9 +88,34 @@ def stats(data: dict, taus=(0.2, 0.4), scores: dict | None = None) -> dict:
     # Each score's AUROC over each source's decisions (where that source has pivots and harmless ones).
     out["auroc_by_source"] = {name: r["auroc"] for name, r in per_source_auroc(every, data).items()
                               if 0 < r["pivots"] < r["positions"]}
+    out["after_harmless"] = after_harmless(data) if "offset" in data else {}
     # Within a problem this score only leaks each decision's own label (left out of its rate): no within figure.
     out["auroc"]["problem's pivot rate (other decisions)"] = (auroc(problem_pivot_rate(y, prob), y), None)
     return out
+
+
+def after_harmless(data: dict) -> dict:
+    """Per draft-free source: what follows a harmless decision (a wrong proposal token that keeps the answer,
+    which a relaxed rule would accept) in the rest of its proposal -> {source: (next token wrong too, a later
+    token wrong, none wrong after it, harmless decisions)}. The next decision of the same walk lies in the same
+    proposal when its offset grew by as much as its position; none wrong after it means the rest of the
+    proposal fitted the text or the proposal ended there (the folders do not keep its length)."""
+    same, source = data["same_answer"].tolist(), data["source"].tolist()
+    position, offset, walk = data["position"].tolist(), data["offset"].tolist(), data["problem"].tolist()
+    counts: dict[int, list[int]] = {}
+    for i, (harmless, s) in enumerate(zip(same, source)):
+        if not harmless or s == SOURCE_IDS["model"]:
+            continue
+        c = counts.setdefault(s, [0, 0, 0, 0])
+        c[3] += 1
+        j = i + 1
+        step = position[j] - position[i] if j < len(walk) and walk[j] == walk[i] else 0
+        if step > 0 and offset[j] - offset[i] == step:
+            c[0 if step == 1 else 1] += 1
+        else:
+            c[2] += 1
+    names = {i: name for name, i in SOURCE_IDS.items()}
+    return {names[s]: tuple(c) for s, c in sorted(counts.items())}
 
 
 def frontier(data: dict, problems_read: int, ks=KS, taus=FRONTIER_TAUS, resamples: int = 2000) -> list[dict]:
@@ -137,6 +163,11 @@ def markdown(s: dict, criterion: str) -> str:
                                                               for n in names) + " |")
         totals = {n: [sum(r[k] for r in s["by_source"][n]) for k in (2, 3)] for n in names}
         lines.append("| all | " + " | ".join(share_with_interval(*totals[n]) for n in names) + " |")
+    if s["after_harmless"]:
+        lines += ["", "After a harmless wrong token of a draft-free proposal, the rest of that proposal:", "",
+                  "| source | the next token wrong too | a later token wrong | none wrong after it |", "|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(share_with_interval(x, n) for x in (nxt, later, none)) + " |"
+                  for name, (nxt, later, none, n) in s["after_harmless"].items()]
     lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: "
                      f"{share_with_interval(k, n_right)}." for tau, k in s["meet"].items()]
     hist = s["pivots_per_right"]

@@ -71,11 +71,28 @@ def test_pivot_rates_per_proposal_source(tmp_path, capsys):
     data, _ = train.load_shards([tmp_path / "mixed"])
     by = {name: {lo: (x, m) for lo, _, x, m in rows if m} for name, rows in label_stats.stats(data)["by_source"].items()}
     assert by == {"model": {0.1: (0, 1), 0.2: (0, 1), 0.4: (0, 1)}, "lookup": {0.0: (1, 1), 0.3: (1, 1)}}
+    # Lookup's one harmless decision (c's last) ends its walk: nothing wrong after it.
+    assert label_stats.stats(data)["after_harmless"] == {"lookup": (0, 0, 1, 1)}
     assert label_stats.main([str(tmp_path / "mixed")]) == 0
     out = capsys.readouterr().out
     assert "| p_target(token) | model | lookup |" in out and "| all | 0/3 = 0.0% [" in out
+    assert "| lookup | 0/1 = 0.0% [0.0%, 97.5%] | 0/1 = 0.0% [0.0%, 97.5%] | 1/1 = 100.0% [2.5%, 100.0%] |" in out
     _folder(tmp_path / "model")
-    assert label_stats.stats(train.load_shards([tmp_path / "model"])[0])["by_source"] == {}
+    model = label_stats.stats(train.load_shards([tmp_path / "model"])[0])
+    assert model["by_source"] == {} and model["after_harmless"] == {}
+
+
+def test_what_follows_a_harmless_draft_free_mismatch():
+    """The next decision of a walk is in the same proposal when its offset grew by as much as its position:
+    right after (the next token wrong too) or later; otherwise, or at a walk's end, nothing wrong followed."""
+    walks = [  # (walk, source, position, offset, same_answer) per decision, in walk order
+        (1, 1, 3, 0, 1), (1, 1, 4, 1, 1), (1, 1, 9, 6, 1), (1, 1, 20, 0, 1),  # next, later, none (new proposal), end
+        (2, 2, 2, 0, 1), (2, 2, 3, 0, 0),  # the next decision starts a proposal of its own; a pivot is not counted
+        (3, 0, 1, -1, 1), (3, 0, 2, -1, 1),  # the model's decisions: not a proposal's
+    ]
+    data = {name: torch.tensor(col) for name, col in
+            zip(("problem", "source", "position", "offset", "same_answer"), zip(*walks))}
+    assert label_stats.after_harmless(data) == {"lookup": (1, 1, 2, 4), "suffix": (0, 0, 1, 1)}
 
 
 def test_a_classifiers_auroc_per_proposal_source(tmp_path, capsys):
