@@ -165,7 +165,8 @@ def markdown(s: dict, criterion: str) -> str:
         lines.append("| all | " + " | ".join(share_with_interval(*totals[n]) for n in names) + " |")
     if s["after_harmless"]:
         lines += ["", "After a harmless wrong token of a draft-free proposal, the rest of that proposal:", "",
-                  "| source | the next token wrong too | a later token wrong | none wrong after it |", "|---|---|---|---|"]
+                  "| source | the next token wrong too | a later token wrong | none wrong after it |",
+                  "|---|---|---|---|"]
         lines += [f"| {name} | " + " | ".join(share_with_interval(x, n) for x in (nxt, later, none)) + " |"
                   for name, (nxt, later, none, n) in s["after_harmless"].items()]
     lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: "

@@ -76,6 +76,15 @@ def test_vocabularies_that_cannot_be_aligned():
         pad.generate(target, draft, PROMPT)
 
 
+def test_one_model_alone_scores_its_own_vocabulary():
+    """Decoding or labeling with one model (the target with a draft-free drafter, or the draft alone): its size."""
+    from pad.decoding.hf import shared_vocab_size
+
+    target, draft = tiny_model("llama", 100), tiny_model("llama", 96, seed=1)
+    assert shared_vocab_size(target, None) == 100 and shared_vocab_size(None, draft) == 96
+    assert shared_vocab_size(target, draft) == 96
+
+
 def test_padded_vocabularies_compare_on_the_shared_range():
     """A target padded to 100 ids and a draft of 96 decode like the target restricted to ids < 96."""
     target = tiny_model("qwen2", 100, seed=5)

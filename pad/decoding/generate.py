@@ -18,7 +18,7 @@ from . import speculative
 from .decoder import Decoder, left_pad
 from .draft_length import DEFAULT_MAX_DRAFT_TOKENS, AutoDraftLength, FixedDraftLength
 from .drafters import NEEDS_MODEL, Drafter, Sampling, make_drafter
-from .hf import eos_ids, kv_bytes_per_token, shared_vocab_size, vocab_size
+from .hf import eos_ids, kv_bytes_per_token, shared_vocab_size
 from .policy import NAMES as POLICIES
 from .policy import DEFAULT_SIGMA, Policy, parse_policy
 from .rows import RowBatch
@@ -289,7 +289,7 @@ def _check_models(policy: str, target, draft, prompts: list[list[int]]) -> tuple
     if target is None and policy != "draft":
         raise ValueError(f"policy {policy!r} needs a target model")
     main = target if target is not None else draft
-    vocab = shared_vocab_size(target, draft) if target is not None and draft is not None else vocab_size(main)
+    vocab = shared_vocab_size(target, draft)
     if any(t < 0 or t >= vocab for row in prompts for t in row):
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     for m in (target, draft):

@@ -55,10 +55,13 @@ def eos_ids(model, eos_token_id) -> set[int]:
 
 
 def shared_vocab_size(target, draft) -> int:
-    """Size of the token range both models score; raises if their vocabularies cannot be aligned.
+    """Size of the token range both models score; raises if their vocabularies cannot be aligned. One of them
+    None (a decode or a label walk with one model): the other's own size.
 
     Without tokenizers this compares sizes and special tokens; ``check_tokenizers`` compares the tokens.
     """
+    if target is None or draft is None:
+        return vocab_size(target if target is not None else draft)
     vt, vd = vocab_size(target), vocab_size(draft)
     shared = min(vt, vd)
     if max(vt, vd) - shared > max(MAX_VOCAB_PADDING[0], MAX_VOCAB_PADDING[1] * shared):

@@ -53,7 +53,7 @@ import torch
 
 from ..decoding.drafters import SOURCES, LookupDrafter, Sampling, SuffixDrafter
 from ..decoding.hf import (crop_cache, decoder_layer, eos_ids, forward_tail, kv_bytes_per_token, returned_cache,
-                           shared_vocab_size, vocab_size)
+                           shared_vocab_size)
 from ..errors import PadError
 from ..machine import available_memory, release_free_memory
 from .continuations import Continuations, Job
@@ -453,7 +453,7 @@ def run(problems: list, prompts: list[torch.Tensor], outcomes: list[Callable[[li
     todo, summary = problems_to_do(problems, start, shard, writer.done, skip)
     _drop_finished(partial, problems, shard_indices(len(problems), start, shard), writer.done | skip)
     rows = _rows_that_fit(cfg, target, draft, max((prompts[i].shape[1] for i in todo), default=0))
-    vocab = shared_vocab_size(target, draft) if draft is not None else vocab_size(target)
+    vocab = shared_vocab_size(target, draft)
     eos = eos_ids(target, None)
     engine = Continuations(target, vocab, eos, cfg.layer, rows, cfg.lookahead)
     active: dict[int, _Problem] = {}
