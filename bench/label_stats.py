@@ -4,7 +4,8 @@ For the texts the target answers right (the ones an acceptance rule can lose): t
 ``p_target(token)`` (per proposal source too, where some decisions are a lookup's or a suffix match's), how
 many texts meet a pivot that ``threshold@TAU`` would accept, and how pivots are spread over problems; for the
 texts it answers wrong, how often a draft token turns them right; after a draft-free proposal's harmless wrong
-token, how often the rest of that proposal holds another wrong token (``after_harmless``). Then each single
+token, how often the rest of that proposal holds another wrong token (``after_harmless``), and the pivot rate
+by the decision's place in its proposal (``by_offset``). Then each single
 feature's AUROC pooled over problems and within problems, beside the score that knows only how fragile a
 problem is (the pivot rate of its other decisions) and any classifier's (``--classifier``), per proposal
 source too. Last, the tokens per target forward a rule would make on the walked texts at each K
@@ -30,6 +31,7 @@ from pad.pivots.train import (WALKS, auroc, folder_drafter, load_shards, per_sou
                               within_problem_auroc)
 
 P_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
+OFFSET_EDGES = (0, 1, 2, 4, 8)  # a draft-free decision's place in its proposal: bins [0, 1) ... [8, end)
 KS = (4, 8, 16)
 FRONTIER_TAUS = (0.4, 0.2, 0.1)
 
@@ -89,6 +91,7 @@ def stats(data: dict, taus=(0.2, 0.4), scores: dict | None = None) -> dict:
     out["auroc_by_source"] = {name: r["auroc"] for name, r in per_source_auroc(every, data).items()
                               if 0 < r["pivots"] < r["positions"]}
     out["after_harmless"] = after_harmless(data) if "offset" in data else {}
+    out["by_offset"] = by_offset(data, right) if "offset" in data else {}
     # Within a problem this score only leaks each decision's own label (left out of its rate): no within figure.
     out["auroc"]["problem's pivot rate (other decisions)"] = (auroc(problem_pivot_rate(y, prob), y), None)
     return out
@@ -116,6 +119,25 @@ def after_harmless(data: dict) -> dict:
             c[2] += 1
     names = {i: name for name, i in SOURCE_IDS.items()}
     return {names[s]: tuple(c) for s, c in sorted(counts.items())}
+
+
+def by_offset(data: dict, mask: torch.Tensor) -> dict:
+    """Per draft-free source: pivots and decisions within ``mask`` (the right texts') per bin of the decision's
+    place in its proposal (``OFFSET_EDGES``) -> {source: [(low, high or None, pivots, decisions)]}. A decision at
+    offset i came after i matching tokens of its proposal; decoding at K drafts at most K, so only offsets below
+    K come up there."""
+    y, offset, source = data["label"].long(), data["offset"].long(), data["source"].long()
+    edges = (*OFFSET_EDGES, None)
+    out = {}
+    for name, i in SOURCE_IDS.items():
+        if name == "model" or not (source == i).any():
+            continue
+        rows = []
+        for lo, hi in zip(edges, edges[1:]):
+            m = mask & (source == i) & (offset >= lo) & (offset < hi if hi is not None else True)
+            rows.append((lo, hi, int((y[m] == 1).sum()), int(m.sum())))
+        out[name] = rows
+    return out
 
 
 def frontier(data: dict, problems_read: int, ks=KS, taus=FRONTIER_TAUS, resamples: int = 2000) -> list[dict]:
@@ -169,6 +191,15 @@ def markdown(s: dict, criterion: str) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {name} | " + " | ".join(share_with_interval(x, n) for x in (nxt, later, none)) + " |"
                   for name, (nxt, later, none, n) in s["after_harmless"].items()]
+    if s["by_offset"]:
+        names = list(s["by_offset"])
+        lines += ["", "By a draft-free decision's place in its proposal (pivots / decisions on right texts [95% CI]):",
+                  "", "| matching proposal tokens before it | " + " | ".join(names) + " |",
+                  "|---" * (1 + len(names)) + "|"]
+        for row, (lo, hi, _, _) in enumerate(s["by_offset"][names[0]]):
+            where = str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}" if hi is not None else f"{lo} or more"
+            lines.append(f"| {where} | " + " | ".join(share_with_interval(*s["by_offset"][n][row][2:])
+                                                      for n in names) + " |")
     lines += [""] + [f"Right texts that meet a pivot with p_target(token) >= {tau:g} on their walk: "
                      f"{share_with_interval(k, n_right)}." for tau, k in s["meet"].items()]
     hist = s["pivots_per_right"]

@@ -73,13 +73,18 @@ def test_pivot_rates_per_proposal_source(tmp_path, capsys):
     assert by == {"model": {0.1: (0, 1), 0.2: (0, 1), 0.4: (0, 1)}, "lookup": {0.0: (1, 1), 0.3: (1, 1)}}
     # Lookup's one harmless decision (c's last) ends its walk: nothing wrong after it.
     assert label_stats.stats(data)["after_harmless"] == {"lookup": (0, 0, 1, 1)}
+    # Lookup's right-text decisions: a's first (offset 0) and last (offset 2), both pivots; c's is a wrong text's.
+    assert label_stats.stats(data)["by_offset"] == {"lookup": [(0, 1, 1, 1), (1, 2, 0, 0), (2, 4, 1, 1),
+                                                               (4, 8, 0, 0), (8, None, 0, 0)]}
     assert label_stats.main([str(tmp_path / "mixed")]) == 0
     out = capsys.readouterr().out
     assert "| p_target(token) | model | lookup |" in out and "| all | 0/3 = 0.0% [" in out
+    assert "| matching proposal tokens before it | lookup |" in out
+    assert "| 0 | 1/1 = 100.0% [" in out and "| 2-3 | 1/1 = 100.0% [" in out and "| 8 or more | n/a |" in out
     assert "| lookup | 0/1 = 0.0% [0.0%, 97.5%] | 0/1 = 0.0% [0.0%, 97.5%] | 1/1 = 100.0% [2.5%, 100.0%] |" in out
     _folder(tmp_path / "model")
     model = label_stats.stats(train.load_shards([tmp_path / "model"])[0])
-    assert model["by_source"] == {} and model["after_harmless"] == {}
+    assert model["by_source"] == {} and model["after_harmless"] == {} and model["by_offset"] == {}
 
 
 def test_what_follows_a_harmless_draft_free_mismatch():
@@ -93,6 +98,19 @@ def test_what_follows_a_harmless_draft_free_mismatch():
     data = {name: torch.tensor(col) for name, col in
             zip(("problem", "source", "position", "offset", "same_answer"), zip(*walks))}
     assert label_stats.after_harmless(data) == {"lookup": (1, 1, 2, 4), "suffix": (0, 0, 1, 1)}
+
+
+def test_pivot_rate_by_place_in_the_proposal():
+    """Each draft-free source's decisions within the mask, binned by offset (the last bin open); the model's
+    decisions (offset -1) and those outside the mask are not counted."""
+    rows = [  # (source, offset, label, in the mask)
+        (1, 0, 1, True), (1, 0, 0, True), (1, 1, 1, True), (1, 3, 0, True), (1, 9, 0, True), (1, 15, 1, True),
+        (1, 5, 1, False), (2, 7, 1, True), (2, 4, 0, True), (0, -1, 1, True)]
+    source, offset, y, mask = zip(*rows)
+    data = {"source": torch.tensor(source), "offset": torch.tensor(offset), "label": torch.tensor(y)}
+    got = label_stats.by_offset(data, torch.tensor(mask))
+    assert got == {"lookup": [(0, 1, 1, 2), (1, 2, 1, 1), (2, 4, 0, 1), (4, 8, 0, 0), (8, None, 1, 2)],
+                   "suffix": [(0, 1, 0, 0), (1, 2, 0, 0), (2, 4, 0, 0), (4, 8, 1, 2), (8, None, 0, 0)]}
 
 
 def test_a_classifiers_auroc_per_proposal_source(tmp_path, capsys):
