@@ -251,7 +251,6 @@ def generate(
     num_draft_tokens = _draft_length(num_draft_tokens, max_draft_tokens)
     _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_tokens, temperature, top_p)
     ids, prompts = _prompts(input_ids, attention_mask)
-    speculating = policy not in ("target", "draft")
     drafter = _drafter(parsed, drafter, draft, target, draft_stop)
     main, vocab = _check_models(policy, target, draft, prompts)
     clf = _load_classifier(classifier, target) if policy == "pivot" else None
@@ -263,21 +262,27 @@ def generate(
 
     sampling = _sampling(temperature, top_p, seed, next(main.parameters()).device)
     batch = RowBatch(prompts, max_new_tokens, eos, vocab=vocab, callback=callback, single=ids.shape[0] == 1)
-    with torch.inference_mode():
-        if max_new_tokens == 0:  # nothing to decode: the prompt as given, no forward
-            pass
-        elif not speculating:
-            _decode_alone(Decoder(main if policy == "target" else draft, vocab, len(prompts)), batch, policy,
-                          sampling, backend)
-        else:
-            length = num_draft_tokens if isinstance(num_draft_tokens, AutoDraftLength) else FixedDraftLength(
-                num_draft_tokens)
-            acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend, exact_prefix,
-                                    judge_free)
-            speculative.decode(Decoder(target, vocab, len(prompts)), drafter, batch, length, acceptance, sampling)
+    acceptance = Acceptance(rule, clf, sigma if clf is not None else 0.0, floor, backend, exact_prefix, judge_free)
+    if max_new_tokens > 0:  # else nothing to decode: the prompt as given, no forward
+        _decode(batch, policy, draft if policy == "draft" else target, drafter, num_draft_tokens, acceptance, sampling)
     lengths = torch.tensor([len(n) for n in batch.new], dtype=torch.long)
     return GenerationResult(sequences=_sequences(ids, batch.new, lengths, pad), stats=batch.total(),
                             lengths=lengths, row_stats=batch.stats)
+
+
+def _decode(batch: RowBatch, policy: str, model, drafter: Drafter | None, num_draft_tokens,
+            acceptance: Acceptance, sampling: Sampling) -> None:
+    """Decode ``batch`` in place: ``model`` alone, step by step (the target or draft policy), else ``model``
+    (the target) verifying ``drafter``'s proposals, K tokens a block (``num_draft_tokens``: an int or an
+    ``AutoDraftLength``), judged by ``acceptance``."""
+    with torch.inference_mode():
+        dec = Decoder(model, batch.vocab, len(batch.prompts))
+        if policy in ("target", "draft"):
+            _decode_alone(dec, batch, policy, sampling, acceptance.backend)
+            return
+        length = num_draft_tokens if isinstance(num_draft_tokens, AutoDraftLength) else FixedDraftLength(
+            num_draft_tokens)
+        speculative.decode(dec, drafter, batch, length, acceptance, sampling)
 
 
 def _check_models(policy: str, target, draft, prompts: list[list[int]]) -> tuple:
