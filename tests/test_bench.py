@@ -148,9 +148,14 @@ def test_interrupted_bench_resumes_from_its_run_log(tmp_path, monkeypatch):
     bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1), **kwargs)
     assert calls == ["pivot"] * 3
     calls.clear()
-    bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1),
-              **{**kwargs, "settings": {"target": "other"}})
+    with pytest.warns(UserWarning) as told:
+        bench.run("gsm8k", problems, target, draft, tok, specs, classifier=_classifier(target, 1),
+                  **{**kwargs, "settings": {"target": "other"}})
     assert sorted(calls) == ["exact"] * 3 + ["pivot"] * 3 + ["target"] * 3
+    # The rerun is named once per policy, with the setting that keeps the logged runs from being reused.
+    notes = [str(w.message) for w in told if "under other settings" in str(w.message)]
+    assert len(notes) == 3 and all("target: 't' there, 'other' here): such runs are done again" in n for n in notes)
+    assert {n.split(" holds ")[1].split(" on ")[0] for n in notes} == {"target", "exact", "pivot@0.6"}
     # Another prompt wording or another version of the utility reruns everything too.
     for patch in (lambda: monkeypatch.setattr(tasks, "GSM8K_SYSTEM", tasks.GSM8K_SYSTEM + " Be brief."),
                   lambda: monkeypatch.setitem(tasks.UTILITY_VERSION, "gsm8k", tasks.UTILITY_VERSION["gsm8k"] + 1)):

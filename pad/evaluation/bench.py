@@ -10,6 +10,7 @@ import csv
 import math
 import textwrap
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,7 +301,8 @@ class RunLog:
     A record is reused only when its ``settings`` equal this run's (task, prompt fingerprint, utility
     version, decode-path version, models and their weights, dtype, K, token budget, machine line, for
     pivot policies the classifier's checksum and floor, for hf-assisted its draft-length settings); each
-    line is fsync'd. A log that holds runs of other weights is refused.
+    line is fsync'd. A log that holds runs of other weights is refused; ``run`` warns of runs it does again
+    because their logged settings differ (``differences``).
     """
 
     def __init__(self, path: Path | None):
@@ -312,6 +314,19 @@ class RunLog:
             if r["problem"] == problem and r["policy"] == policy and r["settings"] == settings:
                 return r
         return None
+
+    def differences(self, settings: dict, problem: str, policy: str) -> dict:
+        """Where the logged run of ``policy`` on ``problem`` closest to ``settings`` differs from them ->
+        {key: (logged, wanted)}; {} when the log holds no run of them (or one that ``find`` reuses)."""
+        closest = None
+        for r in self.records:
+            if r["problem"] == problem and r["policy"] == policy:
+                s = r["settings"]
+                diff = {k: (s.get(k), settings.get(k)) for k in sorted(s.keys() | settings.keys())
+                        if s.get(k) != settings.get(k)}
+                if closest is None or len(diff) < len(closest):
+                    closest = diff
+        return closest or {}
 
     def add(self, record: dict) -> None:
         self.records.append(record)
@@ -363,6 +378,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     totals = {s.name: PolicyTotals() for s in specs}
     correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
     warm = set()  # policies warmed up in this process
+    told = set()  # policies whose logged runs under other settings were named
     probe, probed_at = None, -math.inf  # the speed probe, retaken every PROBE_EVERY seconds of fresh runs
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for start in range(0, len(problems), batch_size):
@@ -388,6 +404,12 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     key["max_draft_tokens"] = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS
                 found = [runs.find(key, p.id, spec.name) for p in group]
                 if any(r is None for r in found):
+                    missing = next(p.id for p, r in zip(group, found) if r is None)
+                    if spec.name not in told and (diff := runs.differences(key, missing, spec.name)):
+                        told.add(spec.name)  # a rerun of hours should not pass unnoticed (a library upgrade)
+                        warnings.warn(f"run log {log} holds {spec.name} on {missing} under other settings ("
+                                      + "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in diff.items())
+                                      + "): such runs are done again, not reused", stacklevel=2)
                     if target is None:
                         target, draft = models()
                     if time.monotonic() - probed_at > PROBE_EVERY:
