@@ -302,12 +302,13 @@ class RunLog:
     version, decode-path version, models and their weights, dtype, K, token budget, machine line, for
     pivot policies the classifier's checksum and floor, for hf-assisted its draft-length settings); each
     line is fsync'd. A log that holds runs of other weights is refused; ``run`` warns of runs it does again
-    because their logged settings differ (``differences``).
+    because their logged settings differ (``note_rerun``).
     """
 
     def __init__(self, path: Path | None):
         self.path = path
         self.records: list[dict] = jsonl.read(path) if path is not None else []  # a torn last line is redone
+        self.told: set[str] = set()  # policies named by note_rerun
 
     def find(self, settings: dict, problem: str, policy: str) -> dict | None:
         for r in self.records:
@@ -327,6 +328,17 @@ class RunLog:
                 if closest is None or len(diff) < len(closest):
                     closest = diff
         return closest or {}
+
+    def note_rerun(self, settings: dict, problem: str, policy: str) -> None:
+        """Warn, once per policy, that its logged runs under other settings are done again, naming each setting
+        that differs for ``problem``: a rerun of hours should not pass unnoticed (a library upgrade changes the
+        machine line)."""
+        diff = {} if policy in self.told else self.differences(settings, problem, policy)
+        if diff:
+            self.told.add(policy)
+            warnings.warn(f"run log {self.path} holds {policy} on {problem} under other settings ("
+                          + "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in diff.items())
+                          + "): such runs are done again, not reused", stacklevel=3)
 
     def add(self, record: dict) -> None:
         self.records.append(record)
@@ -378,7 +390,6 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     totals = {s.name: PolicyTotals() for s in specs}
     correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
     warm = set()  # policies warmed up in this process
-    told = set()  # policies whose logged runs under other settings were named
     probe, probed_at = None, -math.inf  # the speed probe, retaken every PROBE_EVERY seconds of fresh runs
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
     for start in range(0, len(problems), batch_size):
@@ -404,12 +415,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     key["max_draft_tokens"] = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS
                 found = [runs.find(key, p.id, spec.name) for p in group]
                 if any(r is None for r in found):
-                    missing = next(p.id for p, r in zip(group, found) if r is None)
-                    if spec.name not in told and (diff := runs.differences(key, missing, spec.name)):
-                        told.add(spec.name)  # a rerun of hours should not pass unnoticed (a library upgrade)
-                        warnings.warn(f"run log {log} holds {spec.name} on {missing} under other settings ("
-                                      + "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in diff.items())
-                                      + "): such runs are done again, not reused", stacklevel=2)
+                    runs.note_rerun(key, next(p.id for p, r in zip(group, found) if r is None), spec.name)
                     if target is None:
                         target, draft = models()
                     if time.monotonic() - probed_at > PROBE_EVERY:
