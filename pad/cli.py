@@ -10,7 +10,6 @@ import sys
 import threading
 
 from .decoding.drafters import NAMES as DRAFTERS
-from .decoding.drafters import NEEDS_MODEL
 from .decoding.fast_draft import FAST_WEIGHTS, fast_weights
 from .decoding.generate import DEFAULT_K, POLICIES
 from .decoding.policy import DEFAULT_SIGMA
@@ -141,14 +140,13 @@ def _data_checksum(path) -> str:
 
 
 def _generate(args) -> int:
-    from .decoding.generate import generate
+    from .decoding.generate import generate, runs_draft_model
     from .decoding.policy import parse_policy
 
     name = parse_policy(args.policy).name if args.policy else None  # a bad policy fails before loading models
     _check_generate_options(args, name)
     classifier = _classifier(args) if name == "pivot" or args.classifier else None
-    target, tokenizer, draft = _load_pair(args, need_draft=name == "draft" or (
-        name != "target" and args.drafter in NEEDS_MODEL))
+    target, tokenizer, draft = _load_pair(args, need_draft=runs_draft_model(name, args.drafter))
     text = args.prompt
     if args.chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

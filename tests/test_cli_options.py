@@ -169,3 +169,31 @@ def test_bench_loads_the_draft_only_where_a_policy_runs_it(policies, needs, fold
     assert asked == [needs]
     monkeypatch.setattr(pad.evaluation.bench, "needs_draft_model", lambda *a, **k: True)
     assert replies(tmp_path / "b") == got and asked == [needs, True]
+
+
+@pytest.mark.parametrize("args,needs", [
+    ([], True),  # the default policy drafts with the model
+    (["--policy", "draft"], True),
+    (["--policy", "exact", "--drafter", "hybrid"], True),
+    (["--policy", "target"], False),
+    (["--policy", "exact", "--drafter", "lookup"], False),
+    (["--policy", "threshold@0.2", "--drafter", "suffix"], False),
+])
+def test_generate_loads_the_draft_only_where_its_policy_runs_it(args, needs, folders, monkeypatch, capsys):  # noqa: F811
+    """The generate command's rule is the bench's (``runs_draft_model``): a decode that never drafts with the model
+    leaves it unloaded, and its reply is the one decoded with the draft in memory."""
+    import pad.cli
+    import pad.decoding.generate
+
+    asked = []
+    real_load_pair = pad.cli._load_pair
+    monkeypatch.setattr(pad.cli, "_load_pair", lambda a, need_draft=True: asked.append(need_draft)
+                        or real_load_pair(a, need_draft))
+    base = ["generate", "--target", str(folders / "target"), "--draft", str(folders / "draft"), "--prompt",
+            "w1 w2 w3 w1 w2", "--max-new-tokens", "8", "-k", "3", "--dtype", "float32", *args]
+    assert main(base) == 0
+    reply = capsys.readouterr().out.splitlines()[0]  # the text; the stats line below it holds timings
+    assert asked == [needs]
+    monkeypatch.setattr(pad.decoding.generate, "runs_draft_model", lambda *a, **k: True)
+    assert main(base) == 0
+    assert capsys.readouterr().out.splitlines()[0] == reply and asked == [needs, True]

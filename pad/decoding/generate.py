@@ -60,6 +60,13 @@ def _check_args(policy, classifier, num_draft_tokens, sigma, floor, max_new_toke
         raise ValueError("policy 'pivot' needs a classifier (or sigma=0, which is the exact policy)")
 
 
+def runs_draft_model(policy: str | None, drafter: str | None = "model") -> bool:
+    """Whether ``generate`` under the policy named ``policy`` (None: the default, speculative) and the drafter
+    named ``drafter`` runs the draft model: the draft alone, or a speculative policy drafting with the model
+    or hybrid. Commands load the draft only where this holds."""
+    return policy == "draft" or (policy != "target" and drafter in NEEDS_MODEL)
+
+
 def option_conflicts(policy, *, drafter=None, draft_stop=None, num_draft_tokens=DEFAULT_K, max_draft_tokens=None,
                      temperature: float = 0.0, judge_free: bool = False) -> list[tuple[str, str, str]]:
     """The pairs of ``generate``'s options that cannot go together, as (option, option, why), found from the

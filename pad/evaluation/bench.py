@@ -21,7 +21,7 @@ from ..decoding.decoder import left_padded
 from ..decoding.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from ..decoding.drafters import NAMES as DRAFTERS
 from ..decoding.drafters import NEEDS_MODEL, SuffixDrafter
-from ..decoding.generate import DECODE_VERSION, DEFAULT_K, generate, option_conflicts
+from ..decoding.generate import DECODE_VERSION, DEFAULT_K, generate, option_conflicts, runs_draft_model
 from ..decoding.rows import cut
 from ..decoding.policy import Policy, parse_policy
 from ..errors import PadError
@@ -105,9 +105,8 @@ def needs_draft_model(specs: list[PolicySpec], drafter: str = "model") -> bool:
     """Whether any of ``specs`` runs the draft model: the draft alone, transformers' assisted generation, or a
     speculative policy whose drafter (its own, else ``drafter``) is the model or hybrid. The others decode
     with the target alone, so a benchmark of them loads no draft."""
-    return any(s.policy in ("draft", "hf-assisted")
-               or (s.policy not in ("target", *HF_POLICIES) and (s.drafter or drafter) in NEEDS_MODEL)
-               for s in specs)
+    return any(s.policy == "hf-assisted"
+               or (s.policy not in HF_POLICIES and runs_draft_model(s.policy, s.drafter or drafter)) for s in specs)
 
 
 def check_options(specs: list[PolicySpec], *, num_draft_tokens, max_draft_tokens=None, temperature: float = 0.0,
