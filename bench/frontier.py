@@ -65,9 +65,10 @@ def _label(policy: str, k: int | None) -> str:
 def frontier_rows(complete: dict, problems: list[str], seeds: tuple = (None,), reference: str = "target") -> list[dict]:
     """One ``bench.summary_rows`` row per group, target first, then by K and the order of the logs; each row
     pools its runs over ``seeds``, and with several seeds a problem's outcome is its share of right answers
-    (the accuracy differences then take the t interval over problems). Differences are against ``reference``."""
+    (the accuracy differences then take the t interval over problems). Differences are against ``reference``;
+    replies are compared run by run (each problem at each seed)."""
     order = sorted(complete, key=lambda key: (key[0] != "target", key[1] or 0))
-    totals, correct = {}, {}
+    totals, correct, replies = {}, {}, {}
     for key in order:
         name = _label(*key)
         t = totals[name] = bench.PolicyTotals()
@@ -76,7 +77,10 @@ def frontier_rows(complete: dict, problems: list[str], seeds: tuple = (None,), r
                 t.add(complete[key][p, seed])
         outcomes = [[bool(complete[key][p, seed]["correct"]) for seed in seeds] for p in problems]
         correct[name] = [o[0] if len(seeds) == 1 else sum(o) / len(o) for o in outcomes]
-    return bench.summary_rows(totals, correct, reference)
+        texts = [complete[key][p, seed].get("reply") for p in problems for seed in seeds]
+        if None not in texts:  # runs logged before replies were: not compared
+            replies[name] = texts
+    return bench.summary_rows(totals, correct, reference, replies)
 
 
 def choose(rows: list[dict], rules: list[str], per_rule: int, reference: str, within: float = 0.02) -> list[str]:

@@ -75,11 +75,16 @@ def test_bench_keys_pivot_runs_with_draft_free_proposals_by_who_judges_them(tmp_
     kw = dict(num_draft_tokens=4, max_new_tokens=10, progress=False, log=log, classifier=clf, floor=0.0)
     by = {r["policy"]: r for r in bench.run("gsm8k", problems, target, draft, tok, specs, **kw)}
     assert by["pivot@1/lookup"]["new_tokens"] == by["target"]["new_tokens"]
+    assert (by["pivot@1/lookup"]["same_reply_vs_target"], by["pivot@1/lookup"]["replies_compared"]) == (2, 2)
     judged = {r["policy"]: r for r in bench.run("gsm8k", problems, target, draft, tok, specs, judge_free=True, **kw)}
     records = [json.loads(line) for line in log.read_text().splitlines()]
     pivot = [r["settings"]["judge_free"] for r in records if r["policy"] == "pivot@1/lookup"]
     assert sorted(pivot) == [False, False, True, True] and len(records) == 6  # the target's runs reused
     assert judged["pivot@1/lookup"]["acceptance_rate"] == 1.0  # every lookup draft passed
+    replies = {(r["policy"], r["settings"].get("judge_free"), r["problem"]): r["reply"] for r in records}
+    same = sum(replies["pivot@1/lookup", True, p.id] == replies["target", None, p.id] for p in problems)
+    assert (judged["pivot@1/lookup"]["same_reply_vs_target"], judged["pivot@1/lookup"]["replies_compared"]) == (same, 2)
+    assert judged["target"]["same_reply_vs_target"] == 2
 
 
 def test_bench_runs_each_policy_at_its_own_draft_length(tmp_path):
@@ -542,6 +547,22 @@ def test_paired_mean_difference_is_the_t_interval_over_problems():
     assert x["gained_vs_target"] == 0
     with pytest.raises(ValueError):
         bench.paired_mean_difference([0.5], [0.5])
+
+
+def test_summary_rows_count_the_replies_equal_to_the_reference():
+    """Replies equal word for word, per problem in order; a policy without replies, or a reference without
+    them, gets none (n/a); replies over other problems are refused."""
+    totals = {name: bench.PolicyTotals() for name in ("exact", "x", "y")}
+    correct = {name: [True, False, True] for name in totals}
+    replies = {"exact": ["a", "b", "c"], "x": ["a", "b ", "c"]}
+    rows = {r["policy"]: r for r in bench.summary_rows(totals, correct, "exact", replies)}
+    assert (rows["x"]["same_reply_vs_target"], rows["x"]["replies_compared"]) == (2, 3)
+    assert rows["exact"]["same_reply_vs_target"] == 3 and math.isnan(rows["y"]["same_reply_vs_target"])
+    table = bench.markdown(list(rows.values()), "h")
+    assert "replies = exact" in table and "| 2 / 3 |" in table and "Replies = exact:" in table
+    assert all(math.isnan(r["same_reply_vs_target"]) for r in bench.summary_rows(totals, correct, "exact", {"x": ["a"]}))
+    with pytest.raises(ValueError, match="same problems"):
+        bench.summary_rows(totals, correct, "exact", {"exact": ["a", "b", "c"], "x": ["a", "b"]})
 
 
 def test_paired_script_separates_who_judges_draft_free_proposals(tmp_path, capsys):

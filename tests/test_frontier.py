@@ -26,7 +26,7 @@ def _record(problem, policy, k, rng, **settings):
                          **({"classifier": CLF} if policy.startswith("pivot") else {}), **settings},
             "correct": rng.random() < 0.5, "new_tokens": rng.randint(50, 300), "seconds": rng.uniform(1, 20),
             "target_forwards": rng.randint(10, 50), "drafted": rng.randint(0, 200), "accepted": rng.randint(0, 100),
-            "batch_size": 4, "peak_mib": 100.0}
+            "batch_size": 4, "peak_mib": 100.0, "reply": rng.choice(("x = 1", "x = 2"))}
 
 
 def _run_command(*args):
@@ -100,6 +100,8 @@ def test_frontier_joins_the_logs_of_two_k(tmp_path, seed):
         lost = sum(t["correct"] and not r["correct"] for r, t in zip(runs, target))
         gained = sum(r["correct"] and not t["correct"] for r, t in zip(runs, target))
         assert cells[8] == f"{lost} / {gained}" and lost - gained == round(-d * n)
+        assert cells[9] == f"{sum(r['reply'] == t['reply'] for r, t in zip(runs, target))} / {n}"
+    assert rows["target"][9] == f"{n} / {n}"
     assert (tmp_path / "f.md").is_file() and (tmp_path / "f.csv").is_file()
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -122,6 +124,7 @@ def test_frontier_start_takes_a_span_of_problems(tmp_path):
     rng = random.Random(3)
     runs = {pol: [{**_record(p, pol, 8, rng), "speed_probe": probe} for p in range(2, 5)]
             for pol, probe in (("target", 300.0), ("exact", 330.0))}  # timed on machines 10% apart
+    del runs["exact"][1]["reply"]  # a run logged before replies were: exact's replies are not compared
     log = tmp_path / "gsm8k_dev_k8_bfloat16.runs.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for rs in runs.values() for r in rs))
     proc = _run(log, "--data", SAMPLE, "--start", 2, "--limit", 5, "--batch-size", 4, "--classifier", CLF,
@@ -132,6 +135,7 @@ def test_frontier_start_takes_a_span_of_problems(tmp_path):
     assert cells[1] == f"{sum(r['correct'] for r in runs['exact']) / 3:.1%}" and cells[-1] == "330"
     # timed 10% apart: exact's tokens/s is left out, not compared with the target's
     assert cells[5] == "n/a" and "Tokens/s left out (n/a) for exact K=8" in proc.stdout
+    assert cells[9] == "n/a" and _rows(proc.stdout)["target"][9] == "3 / 3"
     proc = _run(log, "--data", SAMPLE, "--start", 1, "--limit", 5, "--batch-size", 4, "--classifier", CLF)
     assert proc.returncode == 1 and "all 4 problems" in proc.stderr  # problem 1 has no runs
     proc = _run(log, "--data", SAMPLE, "--start", 5, "--limit", 5, "--batch-size", 4, "--classifier", CLF)
@@ -172,6 +176,13 @@ def test_sampled_frontier_pools_the_seeds_of_each_problem(tmp_path):
     assert cells[7] == f"{100 * mean:+.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
     assert cells[8] == f"{sum(a < b for a, b in zip(kl, exact))} / {sum(a > b for a, b in zip(kl, exact))}"
     assert rows["exact K=8"][7] == "+0.0 [+0.0, +0.0]"
+
+    def reply(policy, p, s):
+        return next(r["reply"] for r in runs if r["policy"] == policy and r["problem"] == f"gsm8k/dev/{p}"
+                    and r["settings"].get("temperature") == 0.7 and r["settings"]["seed"] == s)
+
+    same = sum(reply("kl@0.5,1", p, s) == reply("exact", p, s) for p in range(n) for s in seeds)
+    assert cells[9] == f"{same} / {n * len(seeds)}"  # run by run, each problem at each seed
     # The greedy table of the same log ignores the sampled runs: only the greedy exact is there, no target.
     proc = _run(log, "--data", SAMPLE, "--limit", n, "--batch-size", 4, "--classifier", CLF, "--reference", "exact")
     assert proc.returncode == 0 and list(_rows(proc.stdout))[1:] == ["exact K=8"]

@@ -388,6 +388,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
         raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     totals = {s.name: PolicyTotals() for s in specs}
     correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
+    replies: dict[str, dict[str, str]] = {s.name: {} for s in specs}  # policy -> problem -> reply
     warm = set()  # policies warmed up in this process
     probe, probed_at = None, -math.inf  # the speed probe, retaken every PROBE_EVERY seconds of fresh runs
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
@@ -441,18 +442,25 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     totals[spec.name].add(record)
                     if record["correct"] is not None:
                         correct[spec.name][p.id] = bool(record["correct"])
+                    if record.get("reply") is not None:
+                        replies[spec.name][p.id] = record["reply"]
                 bar.update(len(group))
                 bar.set_postfix_str(note)
     bar.close()
-    return summary_rows(totals, {name: [c[p.id] for p in problems] for name, c in correct.items()
-                                 if len(c) == len(problems)})
+    correct, replies = ({name: [c[p.id] for p in problems] for name, c in by_problem.items()
+                         if len(c) == len(problems)} for by_problem in (correct, replies))
+    return summary_rows(totals, correct, replies=replies)
 
 
-def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], reference: str = "target") -> list[dict]:
+def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], reference: str = "target",
+                 replies: dict[str, list[str]] | None = None) -> list[dict]:
     """One ``PolicyTotals.row`` per policy, in the order of ``totals``, each with its speedup over the policy
     named "target" and its accuracy difference from ``reference`` (paired over the same problems:
     ``correct[name]`` lists every policy's outcomes in one order), split into the problems it lost (the
     reference right, the policy wrong) and gained (the reverse); NaN where there is no reference.
+    ``replies[name]``, in the same order: each row also counts the replies equal to the reference's, word for
+    word (``same_reply_vs_target`` of ``replies_compared``): how often a relaxed rule changed the text at all,
+    which outcomes alone do not show.
 
     Outcomes are bools (one run a problem: the exact McNemar interval, ``paired_difference``) or each
     problem's share of right answers over several sampled runs (seeds pooled per problem: the t interval
@@ -474,6 +482,14 @@ def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], refe
         row.update(accuracy_vs_target=diff, accuracy_vs_target_low=low, accuracy_vs_target_high=high,
                    lost_vs_target=lost, gained_vs_target=gained, reference=reference,
                    interval="t over problems" if reference in correct and shares else "McNemar")
+        if replies is not None and reference in replies and row["policy"] in replies:
+            ours, theirs = replies[row["policy"]], replies[reference]
+            if len(ours) != len(theirs):
+                raise ValueError(f"{row['policy']} has {len(ours)} replies and {reference} {len(theirs)}: "
+                                 "replies are compared over the same problems")
+            row.update(same_reply_vs_target=sum(a == b for a, b in zip(ours, theirs)), replies_compared=len(ours))
+        else:
+            row.update(same_reply_vs_target=math.nan, replies_compared=math.nan)
     return rows
 
 
@@ -692,7 +708,8 @@ COLUMNS = [("policy", "policy", "{}"), ("accuracy", "accuracy", "{:.1%}"), ("acc
            ("mean_accepted_length", "tokens / target forward", "{:.2f}"),
            ("target_forwards_per_token", "target forwards / token", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.2f}"),
            ("speedup_vs_target", "speedup vs target", "{:.2f}x"), ("accuracy_vs_target", "accuracy - target [95% CI]", None),
-           ("lost_vs_target", "lost / gained", None), ("mean_draft_length", "mean K", "{:.2f}"),
+           ("lost_vs_target", "lost / gained", None), ("same_reply_vs_target", "replies = target", None),
+           ("mean_draft_length", "mean K", "{:.2f}"),
            ("new_tokens", "new tokens", "{}"),
            ("batch_size", "batch", "{}"), ("peak_mib", "peak MiB", "{:.0f}"),
            ("speed_probe", "probe GFLOP/s", "{:.0f}")]
@@ -712,10 +729,12 @@ def markdown(rows: list[dict], header: str) -> str:
                     f"{100 * row['accuracy_vs_target_high']:+.1f}]")
         if key == "lost_vs_target":
             return f"{value} / {row['gained_vs_target']}"
+        if key == "same_reply_vs_target":
+            return f"{value} / {row['replies_compared']}"
         return fmt.format(value)
 
     reference = rows[0].get("reference", "target") if rows else "target"
-    names = [c[1].replace("- target", f"- {reference}") for c in COLUMNS]
+    names = [c[1].replace("- target", f"- {reference}").replace("= target", f"= {reference}") for c in COLUMNS]
     lines = [header, "", "| " + " | ".join(names) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, key, fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
     who = "the target alone" if reference == "target" else reference
@@ -723,12 +742,14 @@ def markdown(rows: list[dict], header: str) -> str:
         note = (f"Accuracy is the mean over the seeds; differences are in points, against {who} on the same problems "
                 "and seeds, with the Student t 95% interval over problems of each problem's difference in its share "
                 "of right answers over the seeds (the seeds of a problem pooled); lost / gained: the problems whose "
-                f"share is lower than {who}'s, and higher. Probe: the ")
+                f"share is lower than {who}'s, and higher. ")
     else:
         note = (f"Accuracy differences are in points, against {who} on the same problems, with the exact "
                 "McNemar 95% interval (Clopper-Pearson over the problems whose two outcomes differ); lost / gained: "
-                f"the problems {who} solves and the policy does not, and the reverse. Probe: the ")
-    note += ("machine's speed on a fixed matmul when the row's runs were timed (`pad.machine.speed_probe`,"
+                f"the problems {who} solves and the policy does not, and the reverse. ")
+    if any(not _missing(r.get("same_reply_vs_target", math.nan)) for r in rows):
+        note += f"Replies = {reference}: the policy's replies equal to {who}'s, word for word, of those compared. "
+    note += ("Probe: the machine's speed on a fixed matmul when the row's runs were timed (`pad.machine.speed_probe`,"
              " weighted by run time; n/a for runs logged before it existed).")
     left_out = [r["policy"] for r in rows if r.get("speed_left_out")]
     if left_out:
