@@ -387,8 +387,7 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
     if drafter not in DRAFTERS:
         raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     totals = {s.name: PolicyTotals() for s in specs}
-    correct: dict[str, dict[str, bool]] = {s.name: {} for s in specs}  # policy -> problem -> correct
-    replies: dict[str, dict[str, str]] = {s.name: {} for s in specs}  # policy -> problem -> reply
+    logged: dict[str, dict[str, dict]] = {s.name: {} for s in specs}  # policy -> problem -> record
     warm = set()  # policies warmed up in this process
     probe, probed_at = None, -math.inf  # the speed probe, retaken every PROBE_EVERY seconds of fresh runs
     bar = tqdm(total=len(problems) * len(specs), desc=f"bench {task}", unit="run", disable=not progress)
@@ -440,16 +439,19 @@ def run(task: str, problems: list, target, draft, tokenizer, specs: list[PolicyS
                     note = f"{spec.name}: from {log.name}"
                 for p, record in zip(group, found):
                     totals[spec.name].add(record)
-                    if record["correct"] is not None:
-                        correct[spec.name][p.id] = bool(record["correct"])
-                    if record.get("reply") is not None:
-                        replies[spec.name][p.id] = record["reply"]
+                    logged[spec.name][p.id] = record
                 bar.update(len(group))
                 bar.set_postfix_str(note)
     bar.close()
-    correct, replies = ({name: [c[p.id] for p in problems] for name, c in by_problem.items()
-                         if len(c) == len(problems)} for by_problem in (correct, replies))
-    return summary_rows(totals, correct, replies=replies)
+    correct = {name: list(map(bool, v)) for name, v in _per_problem(logged, problems, "correct").items()}
+    return summary_rows(totals, correct, replies=_per_problem(logged, problems, "reply"))
+
+
+def _per_problem(logged: dict[str, dict[str, dict]], problems: list, field: str) -> dict[str, list]:
+    """policy -> its records' ``field`` over ``problems`` in order, for the policies that have it for every one
+    (unscored runs have no outcome; runs logged before replies were kept have no reply)."""
+    values = {name: [by[p.id].get(field) if p.id in by else None for p in problems] for name, by in logged.items()}
+    return {name: v for name, v in values.items() if None not in v}
 
 
 def summary_rows(totals: dict[str, PolicyTotals], correct: dict[str, list], reference: str = "target",
