@@ -3,11 +3,12 @@
 Spec-Bench carries no answers, so per category and policy: tokens/s (the category's new tokens over its
 seconds) and its ratio to the ``target`` row's of the same category, new tokens per target forward, the range
 of the speed probes its runs were timed under (``pad.machine.speed_probe``: runs timed beside another job or
-on another machine show there), and for every policy against the ``target`` row of the same log
-the share of replies identical to the target's and their mean token-level similarity to it (difflib's ratio
-over the two replies' token ids: 1 for identical replies).
+on another machine show there), and for every policy against the reference row of the same log (``target``
+unless ``--reference`` names another policy, such as exact with the same drafter) the share of replies
+identical to the reference's and their mean token-level similarity to it (difflib's ratio over the two replies'
+token ids: 1 for identical replies).
 
-    python bench/specbench.py RUNS.jsonl [--tokenizer NAME] [--weights index-gguf] [--out FILE.md]
+    python bench/specbench.py RUNS.jsonl [--reference POLICY] [--tokenizer NAME] [--weights index-gguf] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -73,9 +74,9 @@ def table(records: list[dict], encode, reference: str = "target") -> list[dict]:
     return sorted(rows, key=lambda r: order.index(r["category"]))
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| category | policy | problems | new tokens | tokens/s | x target | tokens / target forward | "
-             "identical to target | similarity to target | probe GFLOP/s |", "|" + "---|" * 10]
+def markdown(rows: list[dict], reference: str = "target") -> str:
+    lines = [f"| category | policy | problems | new tokens | tokens/s | x {reference} | tokens / target forward | "
+             f"identical to {reference} | similarity to {reference} | probe GFLOP/s |", "|" + "---|" * 10]
     for r in rows:
         same = f"{r['identical']:.0%}" if "identical" in r else "n/a"
         sim = f"{r['similarity']:.3f}" if "similarity" in r else "n/a"
@@ -90,6 +91,8 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=Path, help="the run log (RUNS.jsonl) of a specbench bench")
+    parser.add_argument("--reference", default="target",
+                        help="the policy every row is compared with (default: target), e.g. exact/suffix")
     parser.add_argument("--tokenizer", help="tokenizer for the similarity (default: the log's target)")
     parser.add_argument("--weights", help="where registry models come from (as pad-decoding's --weights)")
     parser.add_argument("--out", type=Path, help="also write the table here")
@@ -98,10 +101,15 @@ def main(argv=None) -> int:
     if not records:
         print(f"{args.log} holds no runs", file=sys.stderr)
         return 2
+    if not any(r["policy"] == args.reference for r in records):
+        print(f"{args.log} holds no runs of the reference {args.reference!r}; its policies: "
+              f"{', '.join(dict.fromkeys(r['policy'] for r in records))}", file=sys.stderr)
+        return 2
     from pad.models.registry import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or records[0]["settings"]["target"], source=args.weights)
-    text = markdown(table(records, lambda s: tokenizer(s, add_special_tokens=False).input_ids))
+    text = markdown(table(records, lambda s: tokenizer(s, add_special_tokens=False).input_ids, args.reference),
+                    args.reference)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

@@ -64,6 +64,18 @@ def test_bench_on_specbench_scores_nothing_and_compares_replies(tmp_path):
             by[cat, "exact/lookup"]["tokens_per_s"] / by[cat, "target"]["tokens_per_s"])
     assert by["all", "target"]["new_tokens"] == sum(r["new_tokens"] for r in records if r["policy"] == "target")
     assert "| rag | threshold@0.2/hybrid |" in script.markdown(table)
+    # against exact with the same drafter: its ratios and reply comparisons, the header naming it
+    against = {(r["category"], r["policy"]): r for r in script.table(
+        records, lambda s: tok(s, add_special_tokens=False).input_ids, "exact/lookup")}
+    for cat in ("writing", "translation", "rag", "all"):
+        assert against[cat, "exact/lookup"]["speedup"] == 1.0
+        assert against[cat, "target"]["speedup"] == pytest.approx(
+            by[cat, "target"]["tokens_per_s"] / by[cat, "exact/lookup"]["tokens_per_s"])
+        assert against[cat, "target"]["identical"] == 1.0
+        assert against[cat, "threshold@0.2/hybrid"]["identical"] == by[cat, "threshold@0.2/hybrid"]["identical"]
+    assert "| x exact/lookup | tokens / target forward | identical to exact/lookup |" in script.markdown(
+        list(against.values()), "exact/lookup")
+    assert script.main([str(log), "--reference", "exact/suffix"]) == 2  # a reference the log lacks: refused
 
 
 def test_similarity_is_difflibs_ratio_over_tokens():
