@@ -9,7 +9,9 @@ difference from the target alone on the same problems (exact McNemar 95% interva
 Reads the logs only (no weights). A (K, policy) is listed when the logs hold its runs of every one of the
 first ``--limit`` problems under the current decode path, the given dtype, token budget and batch size, with a
 fixed draft length (no ``--draft-stop``) and, for pivot policies, the classifier given (default: the shipped
-one); the rest are named as incomplete.
+one); the rest are named as incomplete. Several classifiers (``--classifier A,B``) join the logs of drafters
+judged by classifiers of their own (lookup and suffix by one, hybrid by another) on one table; a pivot policy
+run with two of them is refused, never mixed.
 The target, draft and hf-target do not depend on K: their runs are taken from whichever log has them.
 
 Sampled runs (``pad-decoding bench --temperature T --seed S``) make their own table with ``--temperature T
@@ -31,13 +33,17 @@ K_FREE = ("target", "draft", "hf-target")
 
 
 def collect(records: list[dict], problems: list[str], *, dtype: str, max_new_tokens: int, batch_size: int,
-            classifier: str | None, sampling: tuple[float, float] | None = None,
+            classifier: str | tuple[str, ...] | None, sampling: tuple[float, float] | None = None,
             seeds: tuple[int, ...] = (None,)) -> tuple[dict, dict, set]:
     """-> ({(label, k): {(problem, seed): record}} of the complete groups, {label: runs found} of the others,
     machine lines). A group is a policy at one K (K-free policies: one group). Greedy runs (``sampling``
-    None, seed None) or the runs sampled at ``sampling`` = (temperature, top_p) with each of ``seeds``."""
+    None, seed None) or the runs sampled at ``sampling`` = (temperature, top_p) with each of ``seeds``.
+    ``classifier``: the checksum (or checksums) a pivot run's classifier must be; one policy at one K run with
+    two of them raises ValueError."""
     wanted = {(p, seed) for p in problems for seed in seeds}
+    classifiers = (classifier,) if classifier is None or isinstance(classifier, str) else tuple(classifier)
     groups: dict[tuple[str, int | None], dict[tuple, dict]] = {}
+    judged: dict[tuple[str, int | None], set] = {}
     for r in records:
         s = r["settings"]
         how = None if "temperature" not in s else (s["temperature"], s["top_p"])
@@ -45,9 +51,13 @@ def collect(records: list[dict], problems: list[str], *, dtype: str, max_new_tok
         if (run not in wanted or how != sampling or s.get("decode") != DECODE_VERSION or s.get("dtype") != dtype
                 or s.get("max_new_tokens") != max_new_tokens or "draft_stop" in s
                 or s.get("batch_size") != (1 if r["policy"] == "hf-assisted" else batch_size)
-                or (r["policy"].startswith("pivot") and s.get("classifier") != classifier)):
+                or (r["policy"].startswith("pivot") and s.get("classifier") not in classifiers)):
             continue
         key = (r["policy"], None if r["policy"] in K_FREE else s["k"])
+        judged.setdefault(key, set()).add(s.get("classifier") if r["policy"].startswith("pivot") else None)
+        if len(judged[key]) > 1:
+            raise ValueError(f"{_label(*key)} was run with the classifiers {', '.join(sorted(judged[key]))}: "
+                             "give only one of them")
         groups.setdefault(key, {}).setdefault(run, r)  # the first run of a problem (and seed) counts
     complete = {key: runs for key, runs in groups.items() if len(runs) == len(wanted)}
     partial = {_label(*key): len(runs) for key, runs in groups.items() if key not in complete}
@@ -113,7 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--classifier", help="checksum of the pivot policies' classifier (default: the shipped one)")
+    ap.add_argument("--classifier", help="checksum of the pivot policies' classifier (default: the shipped one); "
+                                         "comma-separated, several (the drafters' logs, each judged by its own)")
     ap.add_argument("--temperature", type=float, default=0.0, help="the sampled runs at this temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seeds", default="0", help="with --temperature: the seeds pooled (comma-separated)")
@@ -133,6 +144,7 @@ def main(argv=None) -> int:
         from pad.models.classifier import PivotClassifier
 
         classifier = PivotClassifier.load(shipped_classifier(DEFAULT_TARGET, DEFAULT_DRAFT)).checksum()
+    classifiers = tuple(classifier.split(","))
     records = [r for log in args.logs for r in jsonl.read(log)]
     if not 0 <= args.start < args.limit:
         ap.error(f"--start must be at least 0 and below --limit ({args.limit}), got {args.start}")
@@ -147,7 +159,7 @@ def main(argv=None) -> int:
         ap.error(f"--per-rule must be at least 1, got {args.per_rule}")
     try:
         complete, partial, machines = collect(records, problems, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                                              batch_size=args.batch_size, classifier=classifier, sampling=sampling,
+                                              batch_size=args.batch_size, classifier=classifiers, sampling=sampling,
                                               seeds=seeds)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -167,7 +179,7 @@ def main(argv=None) -> int:
     how = (f"sampled at temperature {args.temperature:g}, top-p {args.top_p:g}, seeds {args.seeds} (fly is greedy "
            "by definition: no row)" if sampling else "greedy")
     header = (f"{task} {args.split}, problems {span}, {args.dtype}, max {args.max_new_tokens} new "
-              f"tokens, {how}, batches of {args.batch_size}; pivot classifier {classifier}\n\n"
+              f"tokens, {how}, batches of {args.batch_size}; pivot classifier {', '.join(classifiers)}\n\n"
               f"Command: `{command}`\n\nMachines: " + "; ".join(sorted(machines)))
     if partial:
         header += "\n\nIncomplete, not listed: " + ", ".join(f"{k} ({n}/{len(problems) * len(seeds)})"

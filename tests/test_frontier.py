@@ -209,3 +209,34 @@ def test_choose_takes_the_most_accepting_setting_within_two_points_of_the_refere
     assert proc.returncode == 1 and "no complete row of the rule fly" in proc.stderr
     proc = _run(*common, "--choose", "kl", "--per-rule", 0)
     assert proc.returncode == 2 and "--per-rule must be" in proc.stderr
+
+
+def test_frontier_joins_drafters_judged_by_classifiers_of_their_own(tmp_path):
+    """Lookup's log judged by one classifier, hybrid's by another: one table with both drafters' pivot rows
+    (each its own runs), and a policy run with both classifiers refused rather than mixed."""
+    rng = random.Random(6)
+    n, other = 4, "0d14e495a3355b7e"
+    lookup = [_record(p, pol, 8, rng) for p in range(n) for pol in ("exact/lookup", "pivot@0.1/lookup")]
+    hybrid = [_record(p, pol, 8, rng, classifier=other) for p in range(n) for pol in ("exact/hybrid", "pivot@0.3/hybrid")]
+    hybrid += [_record(p, "pivot@0.3/hybrid", 8, rng, classifier="ignored") for p in range(n)]  # a third: not read
+    logs = []
+    for name, records in (("gsm8k_dev_k8_lookup.runs.jsonl", lookup), ("gsm8k_dev_k8_hybrid.runs.jsonl", hybrid)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+        logs.append(tmp_path / name)
+    proc = _run(*logs, "--task", "gsm8k", "--data", SAMPLE, "--limit", n, "--batch-size", 4,
+                "--classifier", f"{CLF},{other}", "--reference", "exact/lookup K=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    assert list(rows)[1:] == ["exact/lookup K=8", "pivot@0.1/lookup K=8", "exact/hybrid K=8", "pivot@0.3/hybrid K=8"]
+    assert f"pivot classifier {CLF}, {other}" in proc.stdout
+    for label, policy, clf in (("pivot@0.1/lookup K=8", "pivot@0.1/lookup", CLF),
+                               ("pivot@0.3/hybrid K=8", "pivot@0.3/hybrid", other)):
+        runs = [r for r in lookup + hybrid if r["policy"] == policy and r["settings"]["classifier"] == clf]
+        assert rows[label][3] == f"{sum(r['new_tokens'] for r in runs) / sum(r['target_forwards'] for r in runs):.2f}"
+    # one policy judged by both classifiers given: refused
+    both = [_record(p, "pivot@0.1/lookup", 8, rng, classifier=other) for p in range(n)]
+    logs[1].write_text(logs[1].read_text() + "".join(json.dumps(r) + "\n" for r in both))
+    proc = _run(*logs, "--task", "gsm8k", "--data", SAMPLE, "--limit", n, "--batch-size", 4,
+                "--classifier", f"{CLF},{other}", "--reference", "exact/lookup K=8")
+    assert proc.returncode == 2 and "pivot@0.1/lookup K=8 was run with the classifiers" in proc.stderr
+    assert "Traceback" not in proc.stderr
