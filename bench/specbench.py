@@ -1,7 +1,7 @@
 """Spec-Bench per category, from a run log of ``pad-decoding bench --task specbench``.
 
 Spec-Bench carries no answers, so per category and policy: tokens/s (the category's new tokens over its
-seconds) and its ratio to the ``target`` row's of the same category, new tokens per target forward, the range
+seconds) and its ratio to the reference row's of the same category, new tokens per target forward, the range
 of the speed probes its runs were timed under (``pad.machine.speed_probe``: runs timed beside another job or
 on another machine show there), and for every policy against the reference row of the same log (``target``
 unless ``--reference`` names another policy, such as exact with the same drafter) the share of replies
