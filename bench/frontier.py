@@ -54,10 +54,11 @@ def collect(records: list[dict], problems: list[str], *, dtype: str, max_new_tok
                 or (r["policy"].startswith("pivot") and s.get("classifier") not in classifiers)):
             continue
         key = (r["policy"], None if r["policy"] in K_FREE else s["k"])
-        judged.setdefault(key, set()).add(s.get("classifier") if r["policy"].startswith("pivot") else None)
-        if len(judged[key]) > 1:
-            raise ValueError(f"{_label(*key)} was run with the classifiers {', '.join(sorted(judged[key]))}: "
-                             "give only one of them")
+        if r["policy"].startswith("pivot"):
+            judged.setdefault(key, set()).add(s.get("classifier"))
+            if len(judged[key]) > 1:
+                raise ValueError(f"{_label(*key)} was run with the classifiers {', '.join(sorted(judged[key]))}: "
+                                 "give only one of them")
         groups.setdefault(key, {}).setdefault(run, r)  # the first run of a problem (and seed) counts
     complete = {key: runs for key, runs in groups.items() if len(runs) == len(wanted)}
     partial = {_label(*key): len(runs) for key, runs in groups.items() if key not in complete}
