@@ -404,6 +404,21 @@ def test_a_rules_settings_at_one_k_form_one_curve():
         ("pivot", "K=8"): [(6.7, 0.61), (7.2, 0.58)]}  # fly and threshold at K=16 have one point each
 
 
+def test_a_rules_settings_with_two_drafters_form_two_curves():
+    # a cross-drafter table: pivot with suffix and with hybrid are two curves, never one through both, and
+    # exact with a drafter is exact (a single point), not a rule of its own
+    rows = [{"policy": name, "accuracy": acc, "mean_accepted_length": tpf}
+            for name, acc, tpf in (("exact/suffix K=8", 0.85, 2.57), ("pivot@0.1/suffix K=8", 0.85, 2.58),
+                                   ("pivot@0.2/suffix K=8", 0.84, 2.63), ("exact/hybrid K=8", 0.85, 6.33),
+                                   ("pivot@0.3/hybrid K=8", 0.838, 6.39), ("pivot@0.5/hybrid K=8", 0.812, 6.49),
+                                   ("typical/hybrid K=8", 0.85, 6.84), ("typical@0.3,0.6/hybrid K=8", 0.86, 6.7),
+                                   ("threshold@0.2/suffix K=8", 0.825, 2.59))]
+    assert bench.rule_curves(rows, "mean_accepted_length") == {
+        ("pivot", "/suffix K=8"): [(2.58, 0.85), (2.63, 0.84)],
+        ("pivot", "/hybrid K=8"): [(6.39, 0.838), (6.49, 0.812)],
+        ("typical", "/hybrid K=8"): [(6.7, 0.86), (6.84, 0.85)]}
+
+
 def test_speed_probe_rows_and_their_spread(monkeypatch):
     def record(seconds, probe=None):
         return {"correct": True, "new_tokens": 10, "seconds": seconds, "target_forwards": 2, "drafted": 8,
