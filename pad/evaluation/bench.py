@@ -780,9 +780,9 @@ PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "ta
 
 
 def _rule_and_k(policy: str) -> tuple[str, str]:
-    """A table row's policy -> its rule and the rest of what sets it apart but the rule's settings, its drafter
-    (when named) and K: ``"typical@0.09,0.3 K=16"`` -> ``("typical", "K=16")``, ``"pivot@0.3/hybrid K=8"`` ->
-    ``("pivot", "/hybrid K=8")``, so that one rule with two drafters is two curves, and ``exact/lookup`` is exact."""
+    """A table row's policy -> its rule and its drafter (when named) with K: ``"typical@0.09,0.3 K=16"`` ->
+    ``("typical", "K=16")``, ``"pivot@0.3/hybrid K=8"`` -> ``("pivot", "/hybrid K=8")``, so that one rule with two
+    drafters is two curves, and ``exact/lookup`` is exact."""
     name, _, k = policy.partition(" ")
     base, slash, drafter = name.partition("/")
     return base.split("@")[0], f"{slash}{drafter} {k}".strip()
@@ -825,8 +825,9 @@ def label_offsets(anchors, sizes, right: float = math.inf, gap: float = 3.0) -> 
 
 def rule_curves(rows, key: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
     """The settings of each relaxed rule with one drafter at one K, as points sorted along ``key``:
-    ``{("threshold", "K=8"): [(x, y), ...], ("pivot", "/hybrid K=8"): ...}``, only rules with two or more settings. The plot joins them so each rule reads as a curve on the
-    accuracy/speed plane; target, draft, exact and the hf-* baselines are single points."""
+    ``{("threshold", "K=8"): [(x, y), ...], ("pivot", "/hybrid K=8"): ...}``, only rules with two or more settings.
+    The plot joins them so each rule reads as a curve on the accuracy/speed plane; target, draft, exact and the
+    hf-* baselines are single points."""
     curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in rows:
         x, y = r[key], r["accuracy"]
