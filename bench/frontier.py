@@ -33,15 +33,14 @@ K_FREE = ("target", "draft", "hf-target")
 
 
 def collect(records: list[dict], problems: list[str], *, dtype: str, max_new_tokens: int, batch_size: int,
-            classifier: str | tuple[str, ...] | None, sampling: tuple[float, float] | None = None,
+            classifiers: tuple[str, ...], sampling: tuple[float, float] | None = None,
             seeds: tuple[int, ...] = (None,)) -> tuple[dict, dict, set]:
     """-> ({(label, k): {(problem, seed): record}} of the complete groups, {label: runs found} of the others,
     machine lines). A group is a policy at one K (K-free policies: one group). Greedy runs (``sampling``
     None, seed None) or the runs sampled at ``sampling`` = (temperature, top_p) with each of ``seeds``.
-    ``classifier``: the checksum (or checksums) a pivot run's classifier must be; one policy at one K run with
-    two of them raises ValueError."""
+    ``classifiers``: the checksums a pivot run's classifier must be one of; one policy at one K run with two of
+    them raises ValueError."""
     wanted = {(p, seed) for p in problems for seed in seeds}
-    classifiers = (classifier,) if classifier is None or isinstance(classifier, str) else tuple(classifier)
     groups: dict[tuple[str, int | None], dict[tuple, dict]] = {}
     judged: dict[tuple[str, int | None], set] = {}
     for r in records:
@@ -160,7 +159,7 @@ def main(argv=None) -> int:
         ap.error(f"--per-rule must be at least 1, got {args.per_rule}")
     try:
         complete, partial, machines = collect(records, problems, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                                              batch_size=args.batch_size, classifier=classifiers, sampling=sampling,
+                                              batch_size=args.batch_size, classifiers=classifiers, sampling=sampling,
                                               seeds=seeds)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
